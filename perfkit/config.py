@@ -51,10 +51,10 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "decode steps replayed from captured CUDA graphs (on) vs launched eagerly (off)",
     ),
     "attention": (
-        ("flashinfer", "torch"),
-        "flashinfer",
+        ("auto", "flashinfer", "torch"),
+        "auto",
         "attention backend: FlashInfer paged kernels (GPU) vs the torch reference (pages gathered back, explicit "
-        "mask, SDPA; CPU and GPU)",
+        "mask, SDPA; CPU and GPU); auto = flashinfer when a CUDA GPU and flashinfer are present, else torch",
     ),
 }
 
@@ -81,7 +81,7 @@ class Toggles(BaseModel):
     page_table: Literal["host", "padded"] = "host"
     mm_embed_cache: Literal["on", "off"] = "on"
     cuda_graphs: Literal["on", "off"] = "on"
-    attention: Literal["flashinfer", "torch"] = "flashinfer"
+    attention: Literal["auto", "flashinfer", "torch"] = "auto"
 
     @field_validator("mm_embed_cache", "cuda_graphs", mode="before")
     @classmethod
@@ -98,7 +98,7 @@ class PartialToggles(BaseModel):
     page_table: Literal["host", "padded"] | None = None
     mm_embed_cache: Literal["on", "off"] | None = None
     cuda_graphs: Literal["on", "off"] | None = None
-    attention: Literal["flashinfer", "torch"] | None = None
+    attention: Literal["auto", "flashinfer", "torch"] | None = None
 
     @field_validator("mm_embed_cache", "cuda_graphs", mode="before")
     @classmethod
@@ -345,6 +345,9 @@ class RunConfig(BaseModel):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str = ""
     model: ModelConfig = ModelConfig()
+    models: list[ModelConfig] = Field(
+        default_factory=list, description="several models run one after another; overrides `model`"
+    )
     runtime: RuntimeConfig = RuntimeConfig()
     toggles: Toggles = Toggles()
     arms: list[Arm] = Field(default_factory=list, description="A/B arms; empty = one arm with `toggles`")
@@ -363,11 +366,12 @@ class RunConfig(BaseModel):
         if len(set(arm_names)) != len(arm_names):
             raise ValueError("arm names must be unique")
         max_len = self.runtime.max_model_len
-        if self.model.sliding_window is not None and self.model.sliding_window > max_len:
-            raise ValueError(
-                f"model.sliding_window ({self.model.sliding_window}) is larger than the context "
-                f"runtime.max_model_len ({max_len}); use a window <= max_model_len"
-            )
+        for where, m in [("model", self.model)] + [(f"models[{i}]", m) for i, m in enumerate(self.models)]:
+            if m.sliding_window is not None and m.sliding_window > max_len:
+                raise ValueError(
+                    f"{where}.sliding_window ({m.sliding_window}) is larger than the context "
+                    f"runtime.max_model_len ({max_len}); use a window <= max_model_len"
+                )
         for i, s in enumerate(self.scenarios):
             w = s.workload
             if w.isl is None:
@@ -389,6 +393,14 @@ class RunConfig(BaseModel):
                 f"allowed: {', '.join(names)}"
             )
         return self
+
+    def model_list(self) -> list[tuple[str, ModelConfig]]:
+        """(name, model) pairs; the name prefixes scenario names when several models run in one suite."""
+        models = self.models or [self.model]
+        names = [m.preset or Path(m.path or "model").name for m in models]
+        if len(set(names)) != len(names):
+            names = [f"{n}-{i}" for i, n in enumerate(names)]
+        return list(zip(names, models))
 
     def arm_list(self) -> list[tuple[str, Toggles]]:
         """Resolved arms: (name, full toggles). No arms declared = one arm named 'default'."""
