@@ -295,6 +295,14 @@ class ScenarioConfig(BaseModel):
     slo: SLO | None = None
     runner: Literal["engine", "hf"] = "engine"
 
+    @field_validator("arrival", mode="before")
+    @classmethod
+    def _default_kind(cls, value: Any) -> Any:
+        # `arrival: {concurrency: 8}` means a closed loop; the tag is only needed for the other kinds.
+        if isinstance(value, dict) and "kind" not in value:
+            return {"kind": "closed", **value}
+        return value
+
     @model_validator(mode="after")
     def _limits(self) -> ScenarioConfig:
         if self.num_requests is None and self.duration_s is None:
