@@ -408,7 +408,7 @@ class RunConfig(BaseModel):
         names = [m.preset or Path(m.path or "model").name for m in models]
         if len(set(names)) != len(names):
             names = [f"{n}-{i}" for i, n in enumerate(names)]
-        return list(zip(names, models))
+        return list(zip(names, models, strict=True))
 
     def arm_list(self) -> list[tuple[str, Toggles]]:
         """Resolved arms: (name, full toggles). No arms declared = one arm named 'default'."""
