@@ -10,15 +10,13 @@ Tolerance: float32 logits, max |diff| <= 1e-3 (observed ~1e-5).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from perfkit.runtime.attention.contiguous import ContiguousAttention
-from perfkit.runtime.model import Gemma4ForCausalLM
-from perfkit.runtime.model_config import from_hf_config, get_preset, to_hf_config
+from perfkit.runtime.model_config import get_preset, to_hf_config
 from perfkit.runtime.vision import build_vision_tower, load_vision_weights, synthetic_images
+from perfkit.runtime.weights import build_model, load_hf_state
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gemma4.configuration_gemma4 import Gemma4Config as HFGemma4Config  # noqa: E402
@@ -70,24 +68,15 @@ def hf_dir(tmp_path_factory):
 
 
 def _load_perfkit(path):
-    from safetensors import safe_open
-
-    cfg = from_hf_config(json.loads((path / "config.json").read_text()))
+    """The integration path: config + text weights via weights.build_model, vision via load_vision_weights."""
+    state = load_hf_state(path)
+    model = build_model(None, "cpu", torch.float32, weights="hf", path=path)
+    cfg = model.cfg
     assert cfg.vision is not None and cfg.bidirectional_vision
-    model = Gemma4ForCausalLM(cfg, "cpu", torch.float32).eval()
     tower = build_vision_tower(cfg.vision, cfg.hidden_size, "cpu", torch.float32, init=False)
-    files = sorted(path.glob("*.safetensors"))
-    handles = [safe_open(str(f), framework="pt") for f in files]
-    index = {k: h for h in handles for k in h.keys()}
-
-    def get(name: str) -> torch.Tensor:
-        return index[name].get_tensor(name)
-
-    load_vision_weights(tower, get)
-    text_prefix = "model.language_model."
-    state = model.state_dict()
-    for name, t in state.items():
-        t.copy_(get(text_prefix + name))
+    read = load_vision_weights(tower, state)
+    text = {state.text_name(n) for n in model.state_dict()}
+    assert set(read) | text == set(state)  # every checkpoint tensor has exactly one home
     return cfg, model, tower
 
 
