@@ -1,1 +1,1 @@
-
+"""Synthetic requests (`requests`) and arrival processes (`arrivals`) for the runners."""
