@@ -107,6 +107,8 @@ class RangeRecorder:
         event_pool_size: CUDA events created up front (2 per range occurrence); the pool grows by this many when
             exhausted, up to `max_events`, after which further occurrences are timed on the host only.
         host_only: range names that never record events and suspend device timing while open.
+        device_ranges: when given, only these names record events (e.g. leave per-layer ranges NVTX + host only:
+            an event record costs a few microseconds of host time).
         event_factory: makes one timing event (tests); default `torch.cuda.Event(enable_timing=True)`.
         nvtx_domain: an object with get_event_attributes/push_range/pop_range (tests); default the nvtx package.
     """
@@ -121,6 +123,7 @@ class RangeRecorder:
         event_pool_size: int = 4096,
         max_events: int = 1 << 20,
         host_only: Iterable[str] = ("graph_capture",),
+        device_ranges: Iterable[str] | None = None,
         event_factory: Callable[[], Any] | None = None,
         nvtx_domain: Any = None,
         synchronize: Callable[[], None] | None = None,
@@ -129,6 +132,7 @@ class RangeRecorder:
         self.device_timing = bool(device_timing and enabled)
         self._clock = clock
         self._host_only = frozenset(host_only)
+        self._device_names = None if device_ranges is None else frozenset(device_ranges)
         self._ranges: dict[str, _Range] = {}
         self._attrs: dict[str, Any] = {}
         self._stack: list[tuple[str, int, int]] = []  # (name, t0_ns, start event index or -1)
@@ -187,7 +191,7 @@ class RangeRecorder:
         if self.device_timing:
             if name in self._host_only:
                 self._suspend += 1
-            elif not self._suspend:
+            elif not self._suspend and (self._device_names is None or name in self._device_names):
                 ev = self._record_event()
         self._stack.append((name, self._clock(), ev))
 

@@ -1,0 +1,167 @@
+"""MemoryTracker: CPU reports not available; per-phase peaks and nesting against a fake allocator; profiler window."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from perfkit.capture.memory import MemoryTracker
+from perfkit.capture.profiler import ProfileWindow
+from perfkit.results import MemorySection
+
+
+class FakeAllocator:
+    """torch.cuda's memory functions over a scripted allocator."""
+
+    def __init__(self) -> None:
+        self.allocated = 0
+        self.reserved = 0
+        self.peak_alloc = 0
+        self.peak_res = 0
+        self.retries = 0
+        self.ooms = 0
+        self.resets = 0
+
+    def is_available(self) -> bool:
+        return True
+
+    def alloc(self, n: int) -> None:
+        self.allocated += n
+        self.reserved = max(self.reserved, self.allocated)
+        self.peak_alloc = max(self.peak_alloc, self.allocated)
+        self.peak_res = max(self.peak_res, self.reserved)
+
+    def free(self, n: int) -> None:
+        self.allocated -= n
+
+    def memory_allocated(self, device=None) -> int:
+        return self.allocated
+
+    def max_memory_allocated(self, device=None) -> int:
+        return self.peak_alloc
+
+    def max_memory_reserved(self, device=None) -> int:
+        return self.peak_res
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        self.resets += 1
+        self.peak_alloc = self.allocated
+        self.peak_res = self.reserved
+
+    def memory_stats(self, device=None) -> dict:
+        return {"num_alloc_retries": self.retries, "num_ooms": self.ooms}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
+def test_cpu_reports_not_available_never_zeros():
+    mem = MemoryTracker()
+    with mem.phase("weights_load"):
+        pass
+    sec = mem.section()
+    assert isinstance(sec, MemorySection)
+    assert sec.available is False and sec.reason == "no CUDA device"
+    assert sec.phases == {} and sec.weights_bytes is None and sec.alloc_retries is None and sec.num_ooms is None
+
+
+def test_disabled_reason():
+    assert MemoryTracker(enabled=False).section().reason == "memory capture off"
+
+
+def test_phases_nesting_and_scenario_scope():
+    a = FakeAllocator()
+    mem = MemoryTracker(cuda=a)
+    with mem.phase("weights_load"):
+        a.alloc(1000)
+    with mem.phase("kv_pool"):
+        a.alloc(500)
+    mem.set_kv_pool_bytes(512)  # exact value wins over the allocated delta
+    with mem.phase("warmup"):
+        a.alloc(300)
+        a.free(300)
+    a.retries = 2  # before the scenario: not counted in it
+    with mem.phase("scenario:decode"):
+        a.alloc(100)  # 1600
+        with mem.phase("build_mask"):
+            a.alloc(50)  # 1650
+            a.free(50)
+        a.alloc(200)  # 1800: the scenario peak is after the sub-phase
+        a.free(300)  # 1500
+        with mem.phase("build_mask"):
+            a.alloc(20)
+            a.free(20)
+        a.ooms += 1
+        a.retries += 1
+    sec = mem.section()
+    assert sec.available
+    assert sec.phases["weights_load"].peak_allocated_bytes == 1000
+    assert sec.phases["kv_pool"].peak_allocated_bytes == 1500
+    assert sec.phases["warmup"].peak_allocated_bytes == 1800
+    assert sec.phases["scenario:decode"].peak_allocated_bytes == 1800
+    assert sec.phases["build_mask"].peak_allocated_bytes == 1650  # max over occurrences
+    assert sec.phases["scenario:decode"].peak_reserved_bytes == 1800
+    assert sec.weights_bytes == 1000 and sec.kv_pool_bytes == 512
+    assert sec.alloc_retries == 1 and sec.num_ooms == 1
+    # a new scenario drops the previous scenario's phases, keeps setup phases
+    with mem.phase("scenario:prefill"):
+        a.alloc(10)
+    sec2 = mem.section()
+    assert "scenario:decode" not in sec2.phases and "build_mask" not in sec2.phases
+    assert sec2.phases["scenario:prefill"].peak_allocated_bytes == 1510
+    assert sec2.phases["weights_load"].peak_allocated_bytes == 1000
+    assert sec2.alloc_retries == 0 and sec2.num_ooms == 0
+
+
+def test_repeated_subphase_is_sampled():
+    a = FakeAllocator()
+    mem = MemoryTracker(cuda=a, sample_first=2, sample_stride=4)
+    with mem.phase("scenario:s"):
+        resets0 = a.resets
+        for _ in range(10):
+            with mem.phase("build_mask"):
+                a.alloc(1)
+                a.free(1)
+    measured = (a.resets - resets0) // 2
+    assert measured == 4  # occurrences 0, 1, 5, 9
+
+
+# ---- profiler window ---------------------------------------------------------------------------------------------
+def test_profile_window_torch_trace(tmp_path):
+    win = ProfileWindow(kind="torch", start_step=2, stop_step=4, out_dir=tmp_path, name="w")
+    for step in range(6):
+        win.on_step(step)
+        assert win.active == (2 <= step < 4)
+        torch.ones(8) @ torch.ones(8)
+    assert win.done and win.trace_path == tmp_path / "w.trace.json"
+    assert "traceEvents" in json.loads(win.trace_path.read_text())
+
+
+def test_profile_window_cuda_kind_calls_profiler_api(tmp_path):
+    calls = []
+    fake_torch = SimpleNamespace(
+        cuda=SimpleNamespace(
+            is_available=lambda: True,
+            synchronize=lambda: calls.append("sync"),
+            profiler=SimpleNamespace(start=lambda: calls.append("start"), stop=lambda: calls.append("stop")),
+        )
+    )
+    win = ProfileWindow(kind="cuda", start_step=1, stop_step=3, out_dir=tmp_path, torch_module=fake_torch)
+    for step in range(2):
+        win.on_step(step)
+    assert calls == ["sync", "start"]
+    win.close()  # scenario ended inside the window
+    assert calls == ["sync", "start", "sync", "stop"]
+    win.on_step(1)
+    assert calls[-1] == "stop"  # a finished window never restarts
+
+
+def test_profile_window_none_and_validation(tmp_path):
+    win = ProfileWindow()
+    win.on_step(0)
+    assert not win.active and win.close() is None
+    with pytest.raises(ValueError):
+        ProfileWindow(kind="torch", start_step=3, stop_step=3, out_dir=tmp_path)
+    with pytest.raises(ValueError):
+        ProfileWindow(kind="nsys", start_step=0, stop_step=1)  # type: ignore[arg-type]
