@@ -28,6 +28,10 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Validate configs and print their JSON Schema.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
+kernels_app = typer.Typer(
+    help="Kernel sweeps: A/B implementations over shapes (peak memory, latency, bound).", no_args_is_help=True
+)
+app.add_typer(kernels_app, name="kernels")
 
 F = TypeVar("F", bound=Callable[..., Any])
 SetOption = Annotated[
@@ -169,6 +173,146 @@ def toggles() -> None:
     for name, (values, default, doc) in TOGGLES.items():
         table.add_row(name, " | ".join(values), default, doc)
     _console().print(table)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# perfkit kernels ...
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _int_list(option: str, text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise PerfkitError(f"{option} {text!r}: expected comma-separated integers, e.g. 8192,16384") from None
+    if not vals or any(v < 0 for v in vals):
+        raise PerfkitError(f"{option} {text!r}: expected one or more integers >= 0")
+    return vals
+
+
+@kernels_app.command("mask")
+@_guard
+def kernels_mask(
+    q_lens: Annotated[
+        str, typer.Option("--q-lens", help="new tokens per request, comma-separated")
+    ] = "8192,16384,32768,65536",
+    prefix_lens: Annotated[str, typer.Option("--prefix-lens", help="cached prefix tokens, comma-separated")] = "0,8192",
+    window: Annotated[int, typer.Option("--window", help="sliding window W (0 = no window)")] = 1024,
+    impl: Annotated[str, typer.Option("--impl", help="implementations: dense (A), triton (B)")] = "dense,triton",
+    budget_gib: Annotated[
+        Optional[float], typer.Option("--budget-gib", help="cap the CUDA allocator at this many GiB (OOM is recorded)")
+    ] = None,
+    repeats: Annotated[int, typer.Option("--repeats", help="timed calls per (shape, impl)")] = 20,
+    write_bw_tb_s: Annotated[float, typer.Option("--write-bw-tb-s", help="write bandwidth for the bound, TB/s")] = 4.3,
+    out: Annotated[Path, typer.Option("--out", help="results directory; the run goes to <out>/<run-id>/")] = Path(
+        "results"
+    ),
+    label: Annotated[Optional[str], typer.Option("--label", help="appended to the run id")] = None,
+) -> None:
+    """Gemma4 attention-mask build, dense vs Triton: peak memory, median latency, distance from the write bound."""
+    import os
+
+    import torch
+
+    impls = [x.strip() for x in impl.split(",") if x.strip()]
+    bad = [x for x in impls if x not in ("dense", "triton")]
+    if bad or not impls:
+        raise PerfkitError(f"--impl {impl!r}: allowed values are dense, triton (comma-separated)")
+    if repeats < 1 or write_bw_tb_s <= 0 or window < 0 or (budget_gib is not None and budget_gib <= 0):
+        raise PerfkitError("--repeats must be >= 1, --write-bw-tb-s > 0, --window >= 0, --budget-gib > 0")
+    if not torch.cuda.is_available():  # CPU: Triton runs interpreted (slow; use small --q-lens)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from perfkit.provenance import collect
+    from perfkit.results import KernelRow, Result, make_run_id, write_result
+    from perfkit.runners.kernel_sweep import run_mask_sweep
+
+    qs, ps = _int_list("--q-lens", q_lens), _int_list("--prefix-lens", prefix_lens)
+    sweep_cfg = {
+        "kernel": "gemma_mask",
+        "q_lens": qs,
+        "prefix_lens": ps,
+        "window": window or None,
+        "impls": impls,
+        "budget_gib": budget_gib,
+        "repeats": repeats,
+        "write_bw_bytes_s": write_bw_tb_s * 1e12,
+    }
+    result = Result(
+        run_id=make_run_id("kernels-mask", label),
+        command=" ".join(["perfkit", *sys.argv[1:]]),
+        config=sweep_cfg,
+        provenance=collect(),
+        kernels=[],
+    )
+    path = out / result.run_id / "result.json"
+    con = _console()
+
+    def on_row(row: dict[str, Any]) -> None:
+        rec = dict(row)
+        if rec["status"] == "skipped":  # the schema knows ok | oom | error
+            rec.update(status="error", message=f"skipped: {rec['message']}")
+        result.kernels.append(KernelRow(**rec))
+        write_result(path, result)
+        s = row["shape"]
+        con.print(
+            f"  Q={s['q_len']} P={s['prefix_len']} {row['impl']}: {row['status']}"
+            + (f" {row['median_ms']:.3f} ms" if row["median_ms"] is not None else f" ({row['message']})")
+        )
+
+    rows = run_mask_sweep(
+        qs, ps, window or None, impls, budget_gib, repeats, write_bw_bytes_s=write_bw_tb_s * 1e12, on_row=on_row
+    )
+    result.status = "complete"
+    write_result(path, result)
+
+    def gib(x: Any) -> str:
+        return "-" if x is None else f"{x / 2**30:.3f}"
+
+    table = Table(
+        "Q",
+        "P",
+        "impl",
+        "status",
+        "peak GiB",
+        "pred. GiB",
+        "out GiB",
+        "median ms",
+        "p10-p90 ms",
+        "bound ms",
+        "x bound",
+        "allowed",
+        title=f"gemma mask, W={window or 'none'}, device {rows[0]['device'] if rows else '-'}",
+    )
+    counts: dict[tuple[int, int], set[int]] = {}
+    for r in rows:
+        if r["true_count"] is not None:
+            counts.setdefault((r["shape"]["q_len"], r["shape"]["prefix_len"]), set()).add(r["true_count"])
+    for r in rows:
+        s, ok = r["shape"], r["median_ms"] is not None
+        agree = counts.get((s["q_len"], s["prefix_len"]), set())
+        table.add_row(
+            str(s["q_len"]),
+            str(s["prefix_len"]),
+            r["impl"],
+            r["status"] if r["status"] == "ok" else f"[red]{r['status']}[/red]",
+            gib(r["peak_allocated_bytes"]),
+            gib(r["predicted_peak_bytes"]),
+            gib(r["output_bytes"]),
+            f"{r['median_ms']:.3f}" if ok else "-",
+            f"{r['p10_ms']:.3f}-{r['p90_ms']:.3f}" if ok else "-",
+            f"{r['bound_ms']:.3f}",
+            f"{r['x_bound']:.2f}" if ok else "-",
+            "-"
+            if r["true_count"] is None
+            else (f"{r['true_count']}" + ("" if len(agree) == 1 else " [red]MISMATCH[/red]")),
+        )
+    con.print(table)
+    con.print(
+        "peak = max_memory_allocated - allocated before the call (output included); latency = CUDA events "
+        "around one call from an idle GPU (host launch included), median of repeats; bound = output bytes / "
+        f"{write_bw_tb_s} TB/s"
+    )
+    con.print(f"result: {path}")
 
 
 def main() -> None:  # pragma: no cover - console entry for `python -m perfkit`
