@@ -395,6 +395,12 @@ def to_hf_config(cfg: Gemma4Config, multimodal: bool = False) -> dict[str, Any]:
         "top_k_experts": cfg.top_k_experts or None,
         "moe_intermediate_size": cfg.moe_intermediate_size or None,
     }
+    # multimodal token ids ride along in the text dict too (extra attributes for HF; keeps tiny vocabs consistent)
+    text.update(
+        image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id, audio_token_id=cfg.audio_token_id,
+        boi_token_id=cfg.boi_token_id, eoi_token_id=cfg.eoi_token_id, boa_token_id=cfg.boa_token_id,
+        eoa_token_index=cfg.eoa_token_id,
+    )  # fmt: skip
     if not multimodal:
         return text
     out: dict[str, Any] = {
