@@ -89,3 +89,20 @@ def test_gpu_budget_makes_dense_oom_and_triton_fit():
     # the cap is lifted afterwards: dense fits again
     again = run_mask_sweep([16384], [0], window=1024, impls=("dense",), repeats=1)
     assert again[0]["status"] == "ok" and again[0]["peak_allocated_bytes"] >= again[0]["predicted_peak_bytes"]
+
+
+def test_cli_kernels_mask_writes_a_result(tmp_path):
+    from typer.testing import CliRunner
+
+    from perfkit.cli import app
+    from perfkit.results import read_result
+
+    args = ["kernels", "mask", "--q-lens", "64", "--prefix-lens", "0,16", "--window", "32", "--repeats", "1"]
+    res = CliRunner().invoke(app, [*args, "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    (run_dir,) = tmp_path.iterdir()
+    result = read_result(run_dir)
+    assert result.status == "complete" and len(result.kernels) == 4
+    assert {k.impl for k in result.kernels} == {"dense", "triton"} and all(k.status == "ok" for k in result.kernels)
+    bad = CliRunner().invoke(app, ["kernels", "mask", "--q-lens", "8x", "--out", str(tmp_path)])
+    assert bad.exit_code == 2 and "--q-lens" in bad.output
