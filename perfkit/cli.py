@@ -315,5 +315,35 @@ def kernels_mask(
     con.print(f"result: {path}")
 
 
+# --------------------------------------------------------------------------------------------------------------
+# perfkit generate
+# --------------------------------------------------------------------------------------------------------------
+
+
+@app.command()
+@_guard
+def generate(
+    model: Annotated[str, typer.Option("--model", help="preset (random weights) or HF checkpoint directory")] = "tiny",
+    prompt_ids: Annotated[str, typer.Option("--prompt-ids", help="comma-separated token ids, e.g. 2,10,11")] = "2",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="tokens to generate (greedy)")] = 16,
+    device: Annotated[str, typer.Option("--device", help="cpu | cuda")] = "cpu",
+    dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16")] = "float32",
+    seed: Annotated[int, typer.Option("--seed", help="seed of random weights")] = 0,
+    num_layers: Annotated[Optional[int], typer.Option("--num-layers", help="truncate (keeps the layer pattern)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help='print {"token_ids": [...]}')] = False,
+) -> None:
+    """Greedy-generate with the bundled Gemma4 runtime (contiguous reference attention); prints the new ids."""
+    from perfkit.runtime.generate import greedy_generate, load_for_generate
+
+    ids = _int_list("--prompt-ids", prompt_ids)
+    if max_new_tokens < 1:
+        raise PerfkitError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
+    lm = load_for_generate(model, device=device, dtype=dtype, seed=seed, num_layers=num_layers)
+    if max(ids) >= lm.cfg.vocab_size:
+        raise PerfkitError(f"--prompt-ids: id {max(ids)} is outside the vocabulary ({lm.cfg.vocab_size})")
+    out = greedy_generate(lm, ids, max_new_tokens)
+    typer.echo(json.dumps({"token_ids": out}) if as_json else " ".join(map(str, out)))
+
+
 def main() -> None:  # pragma: no cover - console entry for `python -m perfkit`
     app()

@@ -52,3 +52,32 @@ def greedy_generate(
         attn.prepare(1)
         logits = model(ids.new_tensor([tok]), ids.new_tensor([T + step]), attn)
     return out
+
+
+def load_for_generate(
+    model: str, device: str = "cpu", dtype: str = "float32", seed: int = 0, num_layers: int | None = None
+) -> Gemma4ForCausalLM:
+    """`model` = preset name (random weights) or an HF checkpoint directory. Used by `perfkit generate`."""
+    from pathlib import Path
+
+    from perfkit.errors import PerfkitError
+    from perfkit.runtime.model_config import PRESET_NAMES, from_hf_config, get_preset, truncate_layers
+    from perfkit.runtime.weights import build_model, load_hf_state
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:
+        raise PerfkitError(f"--dtype {dtype!r}: allowed values are {', '.join(dtypes)}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise PerfkitError(f"--device {device}: no CUDA device is available")
+    if Path(model).is_dir():
+        cfg = from_hf_config(load_hf_state(model).config, name=Path(model).name)
+        if num_layers is not None and num_layers != cfg.num_hidden_layers:
+            if cfg.num_kv_shared_layers:
+                raise PerfkitError("--num-layers cannot truncate a KV-shared (E2B/E4B) checkpoint")
+            cfg = truncate_layers(cfg, num_layers)
+        return build_model(cfg, device, dtypes[dtype], weights="hf", path=model)
+    if model not in PRESET_NAMES:
+        raise PerfkitError(
+            f"--model {model!r}: neither a checkpoint directory nor a preset ({', '.join(PRESET_NAMES)})"
+        )
+    return build_model(get_preset(model, num_layers), device, dtypes[dtype], weights="random", seed=seed)
