@@ -238,6 +238,8 @@ class WorkloadConfig(BaseModel):
     def _source(self) -> WorkloadConfig:
         if self.isl is None and self.dataset is None:
             raise ValueError("set isl (text tokens per request) or dataset")
+        if self.isl is not None and self.dataset is not None:
+            raise ValueError("set isl or dataset, not both (a dataset line carries its own input length)")
         return self
 
 
@@ -307,6 +309,8 @@ class ScenarioConfig(BaseModel):
     def _limits(self) -> ScenarioConfig:
         if self.num_requests is None and self.duration_s is None:
             raise ValueError("set num_requests and/or duration_s")
+        if self.arrival.kind == "all_at_once" and self.num_requests is None:
+            raise ValueError("arrival all_at_once needs num_requests (how many to submit at t=0)")
         return self
 
 
@@ -605,7 +609,26 @@ def load_config(
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise PerfkitError(f"{p}:{where}: not valid YAML: {problem}") from None
-    return load_raw(raw if raw is not None else {}, str(p), overrides, environ)
+    cfg = load_raw(raw if raw is not None else {}, str(p), overrides, environ)
+    return _resolve_paths(cfg, p.parent)
+
+
+def _resolve_paths(cfg: RunConfig, base: Path) -> RunConfig:
+    """A relative dataset or checkpoint path that exists beside the config file means that one; otherwise it is
+    left relative to the working directory (the usual meaning for `--set model.path=...`)."""
+
+    def fix(path: str | None) -> str | None:
+        if path and not Path(path).is_absolute() and (base / path).exists():
+            return str((base / path).resolve())
+        return path
+
+    scenarios = [
+        s.model_copy(update={"workload": s.workload.model_copy(update={"dataset": fix(s.workload.dataset)})})
+        for s in cfg.scenarios
+    ]
+    model = cfg.model.model_copy(update={"path": fix(cfg.model.path)})
+    models = [m.model_copy(update={"path": fix(m.path)}) for m in cfg.models]
+    return cfg.model_copy(update={"scenarios": scenarios, "model": model, "models": models})
 
 
 def load_raw(
