@@ -110,3 +110,21 @@ def test_hf_config_accepts_transformers_serialisation():
 def test_unknown_preset_is_a_user_error():
     with pytest.raises(PerfkitError, match="unknown model preset 'nope'"):
         get_preset("nope")
+
+
+def test_real_shape_rope_and_embed_scale():
+    import torch
+
+    from perfkit.runtime.model import rope_inv_freq, round_to
+
+    full = rope_inv_freq(get_preset("31b"), sliding=False)
+    assert full.shape == (256,) and int((full > 0).sum()) == 64  # 64 live frequencies, pairing d <-> d+256
+    assert full[1].item() == pytest.approx(1e6 ** (-2 / 512))  # denominator = full head dim 512
+    sliding = rope_inv_freq(get_preset("31b"), sliding=True)
+    assert sliding.shape == (128,) and sliding[1].item() == pytest.approx(1e4 ** (-2 / 256))
+    assert [round_to(get_preset(n).embed_scale, torch.bfloat16) for n in ("e2b", "e4b", "26b-a4b", "31b")] == [
+        39.25,
+        50.5,
+        53.0,
+        73.5,
+    ]

@@ -38,6 +38,7 @@ def greedy_generate(
     if T == 0:
         raise ValueError("prompt_ids is empty")
     types = token_types_from_ids(model, ids) if token_type_ids is None else torch.as_tensor(token_type_ids)
+    model.ensure_rope(T + max_new_tokens)
     attn = ContiguousAttention()
     attn.prepare(T, types.to(device))
     logits = model(

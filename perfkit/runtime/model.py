@@ -41,6 +41,11 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def round_to(x: float, dtype: torch.dtype) -> float:
+    """x rounded to `dtype` (HF casts its embedding-scale tensors to the weight dtype), as a Python float."""
+    return torch.tensor(x, dtype=torch.float32).to(dtype).item()
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate-half RoPE. x [T, heads, hd]; cos/sin [T, hd/2] (one entry per frequency; dim d pairs with d+hd/2)."""
     half = x.shape[-1] // 2
@@ -261,14 +266,18 @@ class Gemma4ForCausalLM(nn.Module):
         n = max_positions or min(self.cfg.max_position_embeddings, 8192)
         self.rope = RopeTables(self.cfg, n, self.device, self.dtype)
 
+    def ensure_rope(self, num_positions: int) -> None:
+        """Make the tables cover positions [0, num_positions) (grows by doubling; call from the host side)."""
+        if self.rope is None or num_positions > self.rope.max_positions:
+            have = 0 if self.rope is None else self.rope.max_positions
+            self.setup_rope(max(num_positions, 2 * have, min(self.cfg.max_position_embeddings, 8192)))
+
     def _rope(self, positions: Tensor) -> dict[bool, tuple[Tensor, Tensor]]:
-        if self.rope is None or self.rope.tables[True][0].device != positions.device:
+        if self.rope is None:
             self.setup_rope()
         assert self.rope is not None
-        if positions.numel() and int(positions.max()) >= self.rope.max_positions:  # rare: grow by doubling
-            need = int(positions.max()) + 1
-            self.setup_rope(min(max(need, 2 * self.rope.max_positions), max(need, self.cfg.max_position_embeddings)))
-            assert self.rope is not None
+        if positions.device.type == "cpu" and positions.numel():  # no device sync on GPU: callers ensure_rope()
+            self.ensure_rope(int(positions.max()) + 1)
         return self.rope.lookup(positions)
 
     def multimodal_mask(self, input_ids: Tensor) -> Tensor:
@@ -282,8 +291,7 @@ class Gemma4ForCausalLM(nn.Module):
         placeholders = mm | (input_ids == cfg.audio_token_id)
         text_ids = torch.where(placeholders, cfg.pad_token_id, input_ids)
         w = self.embed_tokens.weight
-        scale = torch.tensor(cfg.embed_scale, dtype=torch.float32).to(w.dtype)  # sqrt(H) rounded to weight dtype
-        h = F.embedding(text_ids, w) * scale.to(w.device)  # [T, H]
+        h = F.embedding(text_ids, w) * round_to(cfg.embed_scale, w.dtype)  # [T, H]; sqrt(H) rounded (bf16: 73.5)
         if mm_embeds is not None:
             n = int(mm.sum())
             if n != mm_embeds.shape[0]:
@@ -296,8 +304,7 @@ class Gemma4ForCausalLM(nn.Module):
         cfg = self.cfg
         T, L, P = h0.shape[0], cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
         w = self.embed_tokens_per_layer.weight
-        tok_scale = torch.tensor(P**0.5, dtype=torch.float32).to(w.dtype).to(w.device)
-        tok = (F.embedding(text_ids, w) * tok_scale).view(T, L, P)
+        tok = (F.embedding(text_ids, w) * round_to(P**0.5, w.dtype)).view(T, L, P)
         proj = (self.per_layer_model_projection(h0) * cfg.hidden_size**-0.5).view(T, L, P)
         proj = self.per_layer_projection_norm(proj)
         return (proj + tok) * 2.0**-0.5
