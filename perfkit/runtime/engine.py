@@ -1,0 +1,295 @@
+"""Serving engine: paged KV cache, continuous batching with chunked prefill, torch / FlashInfer attention, CUDA
+graphs for decode. One `step()` = schedule -> prepare -> forward -> sample -> postprocess.
+
+Toggles (settable on a live engine with `set_toggle`; both arms of every toggle give identical tokens):
+  attention=flashinfer|torch   page_table=host|padded   mask=triton|dense   mm_embed_cache=on|off
+  cuda_graphs=on|off (decode graphs; only with a backend that supports them, i.e. flashinfer)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from perfkit.errors import PerfkitError
+from perfkit.runtime.block_manager import BlockManager
+from perfkit.runtime.kv_cache import PagedKVCache, plan_kv_pages, pool_specs
+from perfkit.runtime.model_runner import ModelRunner
+from perfkit.runtime.page_table import make_page_table_builder
+from perfkit.runtime.sampling import sample
+from perfkit.runtime.scheduler import Request, SamplingParams, Scheduler, StepOutput
+
+__all__ = ["Engine", "EngineConfig", "EngineStats", "StepOutput", "SamplingParams", "TOGGLES"]
+
+TOGGLES = {
+    "attention": ("flashinfer", "torch"),
+    "page_table": ("host", "padded"),
+    "mask": ("triton", "dense"),
+    "mm_embed_cache": ("on", "off"),
+    "cuda_graphs": ("on", "off"),
+}
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_CPU_KV_BUDGET_BYTES = 1 << 30  # no memory probe on CPU: a fixed budget before kv_cache_fraction
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    attention: str = "torch"  # flashinfer | torch
+    page_size: int = 16
+    kv_cache_fraction: float = 0.9  # of the free memory measured after weights + a warmup forward
+    max_batch_size: int = 64
+    max_num_tokens: int = 8192  # new tokens per step (decodes + prefill chunks)
+    max_model_len: int = 32768  # longest prompt + output; sizes RoPE tables captured by graphs
+    kv_dtype: str = "auto"  # auto = the model's dtype (bf16 on the GPU); bfloat16 | float16 | float32
+    cuda_graphs: bool = True
+    page_table: str = "host"  # host | padded
+    mask: str = "triton"  # triton | dense
+    mm_embed_cache: bool = True
+    num_kv_pages: int | None = None  # override: pages per pool (tests); else kv_cache_bytes; else measured
+    kv_cache_bytes: int | None = None  # override: KV budget in bytes (before the split between pools)
+    decode_use_tensor_cores: bool | None = None  # flashinfer decode; None = tensor cores when GQA group >= 4
+    workspace_bytes: int = 256 << 20  # flashinfer float workspace, shared by every wrapper
+    seed: int = 0  # sampling generators
+
+
+@dataclass
+class EngineStats:
+    preemptions: int = 0
+    kv_pages: dict[str, int] = field(default_factory=dict)  # per pool, incl. the dummy page
+    kv_pages_used: dict[str, int] = field(default_factory=dict)
+    kv_pool_bytes: dict[str, int] = field(default_factory=dict)
+    graph_capture_s: float = 0.0
+    graph_batch_sizes: list[int] = field(default_factory=list)
+    steps: int = 0
+    encoder_calls: int = 0
+
+
+class Engine:
+    def __init__(self, model, cfg, engine_config: EngineConfig | None = None, vision_tower=None):
+        ec = engine_config or EngineConfig()
+        self.model, self.cfg, self.ec = model, cfg, ec
+        self.device = model.device
+        self.layers = cfg.attn_layers()
+        self.kv_dtype = model.dtype if ec.kv_dtype == "auto" else _DTYPES[ec.kv_dtype]
+        self.vision_tower = vision_tower if vision_tower is not None else getattr(model, "vision_tower", None)
+        self._next_id = 0
+        self._requests: dict[int, Request] = {}
+        self._generators: dict[int, torch.Generator] = {}
+        self._graph_capture_s = 0.0
+        self._steps = 0
+        self._validate_toggles(ec)
+        if model.rope is None or model.rope.max_positions < ec.max_model_len:
+            model.setup_rope(ec.max_model_len)
+        self._build(self._kv_pages())
+
+    # ---- construction ----------------------------------------------------------------------------------------
+    @staticmethod
+    def _validate_toggles(ec: EngineConfig) -> None:
+        for name in ("attention", "page_table", "mask"):
+            if getattr(ec, name) not in TOGGLES[name]:
+                raise PerfkitError(f"{name}={getattr(ec, name)!r}; allowed: {', '.join(TOGGLES[name])}")
+
+    def _kv_pages(self) -> dict[str, int]:
+        ec = self.ec
+        specs = pool_specs(self.layers)
+        if ec.num_kv_pages is not None:
+            return dict.fromkeys(specs, ec.num_kv_pages)
+        if ec.kv_cache_bytes is not None:
+            free, frac = ec.kv_cache_bytes, 1.0
+        elif self.device.type == "cuda":
+            free, frac = self._measure_free_bytes(), ec.kv_cache_fraction
+        else:
+            free, frac = _CPU_KV_BUDGET_BYTES, ec.kv_cache_fraction
+        plan = plan_kv_pages(free, frac, self.cfg, ec.page_size, self.kv_dtype, ec.max_batch_size, ec.max_num_tokens)
+        return plan.num_pages
+
+    def _measure_free_bytes(self) -> int:
+        """Warm up with one max_num_tokens prefill on a minimal cache, then read the driver's free memory (the
+        warmup's activations stay reserved in torch's allocator, so they are not counted as free)."""
+        n = min(self.ec.max_num_tokens, self.ec.max_model_len)
+        pages = math.ceil(n / self.ec.page_size) + 2
+        self._build(dict.fromkeys(pool_specs(self.layers), pages), graphs=False)
+        self.add_request([self.cfg.bos_token_id] * n, max_new_tokens=1)
+        while self.has_unfinished():
+            self.step()
+        torch.cuda.synchronize()
+        self._teardown()
+        return torch.cuda.mem_get_info()[0]
+
+    def _build(self, num_pages: dict[str, int], graphs: bool = True) -> None:
+        ec = self.ec
+        specs = pool_specs(self.layers)
+        self.kv = PagedKVCache(self.layers, num_pages, ec.page_size, self.kv_dtype, self.device)
+        self.bm = BlockManager(num_pages, ec.page_size, {p: s.window for p, s in specs.items()})
+        self.scheduler = Scheduler(self.bm, ec.max_batch_size, ec.max_num_tokens)
+        self._backends: dict = {}
+        self.runner = ModelRunner(
+            self.model, self.cfg, self.bm, self._page_table_builder(ec.page_table), self._backend(ec.attention),
+            max_num_tokens=ec.max_num_tokens, vision_tower=self.vision_tower,
+        )  # fmt: skip
+        self.runner.mask_impl = ec.mask
+        self.runner.mm_embed_cache = ec.mm_embed_cache
+        self._graphs = None
+        if graphs:
+            self._sync_graphs()
+
+    def _teardown(self) -> None:
+        self._graphs = None
+        self.runner = self.scheduler = self.bm = self.kv = None
+        self._backends = {}
+        self._requests.clear()
+
+    def _page_table_builder(self, kind: str):
+        return make_page_table_builder(kind, self.bm, self.device, self.ec.max_num_tokens, self.ec.max_batch_size)
+
+    def _backend(self, name: str):
+        if name not in self._backends:
+            if name == "torch":
+                from perfkit.runtime.attention.torch_paged import TorchPagedBackend
+
+                self._backends[name] = TorchPagedBackend(self.kv)
+            else:
+                from perfkit.runtime.attention.flashinfer import FlashInferBackend
+
+                self._backends[name] = FlashInferBackend(
+                    self.kv, workspace_bytes=self.ec.workspace_bytes,
+                    decode_use_tensor_cores=self.ec.decode_use_tensor_cores, q_dtype=self.model.dtype,
+                )  # fmt: skip
+        return self._backends[name]
+
+    def _sync_graphs(self) -> None:
+        """Capture decode graphs when cuda_graphs=on and the current backend supports them; else run eagerly."""
+        backend = self.runner.backend
+        want = self.ec.cuda_graphs and getattr(backend, "supports_cuda_graphs", False) and self.device.type == "cuda"
+        if not want:
+            self.runner.graphs = None
+            return
+        if self._graphs is None or self._graphs.backend is not backend:
+            from perfkit.runtime.cuda_graphs import DecodeGraphs
+
+            t0 = time.perf_counter()
+            self._graphs = DecodeGraphs(self.model, backend, self.kv, self.bm, self.ec.max_batch_size)
+            self._graphs.capture()
+            self._graph_capture_s += time.perf_counter() - t0
+        self.runner.graphs = self._graphs
+
+    # ---- toggles ---------------------------------------------------------------------------------------------
+    def set_toggle(self, name: str, value) -> None:
+        """Switch a toggle on the live engine (KV cache and running requests are kept)."""
+        if isinstance(value, bool):
+            value = "on" if value else "off"
+        if name not in TOGGLES or value not in TOGGLES[name]:
+            allowed = ", ".join(f"{k}={'|'.join(v)}" for k, v in TOGGLES.items())
+            raise PerfkitError(f"unknown toggle {name}={value!r}; allowed: {allowed}")
+        on = value == "on"
+        if name == "attention":
+            self.ec = replace(self.ec, attention=value)
+            self.runner.backend = self._backend(value)
+            self._sync_graphs()
+        elif name == "page_table":
+            self.ec = replace(self.ec, page_table=value)
+            self.runner.page_tables = self._page_table_builder(value)
+        elif name == "mask":
+            self.ec = replace(self.ec, mask=value)
+            self.runner.mask_impl = value
+        elif name == "mm_embed_cache":
+            self.ec = replace(self.ec, mm_embed_cache=on)
+            self.runner.mm_embed_cache = on
+        elif name == "cuda_graphs":
+            self.ec = replace(self.ec, cuda_graphs=on)
+            self._sync_graphs()
+
+    def toggles(self) -> dict[str, str]:
+        ec = self.ec
+        return {
+            "attention": ec.attention, "page_table": ec.page_table, "mask": ec.mask,
+            "mm_embed_cache": "on" if ec.mm_embed_cache else "off", "cuda_graphs": "on" if ec.cuda_graphs else "off",
+        }  # fmt: skip
+
+    # ---- requests --------------------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_token_ids,
+        mm_items=None,
+        max_new_tokens: int = 16,
+        ignore_eos: bool = True,
+        token_type_ids=None,
+        sampling: SamplingParams | None = None,
+    ) -> int:
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids or max_new_tokens < 1:
+            raise PerfkitError("a request needs at least one prompt token and max_new_tokens >= 1")
+        total = len(ids) + max_new_tokens
+        if total > self.ec.max_model_len:
+            raise PerfkitError(f"prompt + max_new_tokens = {total} exceeds max_model_len {self.ec.max_model_len}")
+        for pool, spec in self.kv.specs.items():  # a request must fit alone, or preemption could never end
+            need = math.ceil(total / self.ec.page_size) if spec.window is None else math.ceil(
+                (spec.window - 1 + self.ec.max_num_tokens) / self.ec.page_size) + 1  # fmt: skip
+            if need > self.kv.num_pages[pool] - 1:
+                raise PerfkitError(f"request needs {need} {pool} KV pages, the pool has {self.kv.num_pages[pool] - 1}")
+        if token_type_ids is None:
+            c = self.cfg
+            kinds = {c.image_token_id: 1, c.video_token_id: 2, c.audio_token_id: 3}
+            token_type_ids = [kinds.get(t, 0) for t in ids]
+        rid = self._next_id
+        self._next_id += 1
+        req = Request(
+            rid, ids, [int(t) for t in token_type_ids], max_new_tokens, ignore_eos, tuple(self.cfg.eos_token_id),
+            list(mm_items) if mm_items else None, sampling or SamplingParams(),
+        )  # fmt: skip
+        self._requests[rid] = req
+        if req.sampling.temperature > 0:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(self.ec.seed + rid if req.sampling.seed is None else req.sampling.seed)
+            self._generators[rid] = g
+        self.scheduler.add(req)
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def request(self, request_id: int) -> Request:
+        return self._requests[request_id]
+
+    # ---- the loop --------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[StepOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        self._steps += 1
+        inputs = self.runner.prepare(sched)
+        logits = self.runner.forward(inputs)
+        gens = [self._generators.get(r.request_id) for r in inputs.sample_reqs]
+        token_ids = sample(logits, [r.sampling for r in inputs.sample_reqs], gens)
+        t_host_ns = time.perf_counter_ns()
+        outputs = self.scheduler.postprocess(sched, token_ids, t_host_ns)
+        for o in outputs:
+            if o.finished:
+                self.runner.release(o.request_id)
+                self._generators.pop(o.request_id, None)
+        return outputs
+
+    def generate_all(self) -> dict[int, list[int]]:
+        """Run until every request finished; returns the new tokens per request id (tests, simple runners)."""
+        out: dict[int, list[int]] = {}
+        while self.has_unfinished():
+            for o in self.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return out
+
+    @property
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            preemptions=self.scheduler.num_preemptions,
+            kv_pages=dict(self.kv.num_pages),
+            kv_pages_used={p: self.bm.num_used(p) for p in self.bm.pools},
+            kv_pool_bytes=self.kv.pool_bytes(),
+            graph_capture_s=self._graph_capture_s,
+            graph_batch_sizes=list(self._graphs.sizes) if self._graphs is not None else [],
+            steps=self._steps,
+            encoder_calls=self.runner.num_encoder_calls,
+        )

@@ -1,0 +1,181 @@
+"""Model runner: scheduler output -> device inputs (ids, positions, page tables, masks, mm embeds) -> logits.
+
+`prepare` does all host work of a step and returns a `StepInputs`; `forward` runs the model eagerly or replays a
+captured decode graph (pure-decode steps whose batch fits a captured size, padded with dummy requests).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from perfkit.runtime.kv_cache import SLIDING_POOL
+from perfkit.runtime.page_table import AttentionMetadata, BatchState, PinnedStaging
+from perfkit.runtime.scheduler import Request, SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # device long [T] (T includes graph padding)
+    positions: torch.Tensor  # device long [T]
+    logits_indices: torch.Tensor  # device long [S]: rows to sample, in chunk order of sampling chunks
+    meta: AttentionMetadata
+    mm_embeds: torch.Tensor | None
+    sample_reqs: list[Request]
+
+
+def _build_mask(token_types: torch.Tensor, q_lens, prefix_lens, window, impl: str, device) -> torch.Tensor:
+    """Packed sliding-layer mask (perfkit.kernels.gemma_mask; falls back to the reference when unavailable).
+    On a CPU device the Triton impl only runs under TRITON_INTERPRET=1; otherwise the dense impl is used."""
+    try:
+        from perfkit.kernels.gemma_mask import build_gemma_attention_mask
+    except ImportError:  # no triton on this machine
+        from perfkit.runtime.attention.torch_paged import reference_gemma_mask as build_gemma_attention_mask
+
+        impl = "dense"
+    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        impl = "dense"
+    return build_gemma_attention_mask(token_types.to(device), q_lens, prefix_lens, window, impl=impl)
+
+
+class ModelRunner:
+    def __init__(self, model, cfg, bm, page_tables, backend, *, max_num_tokens: int, vision_tower=None):
+        self.model = model
+        self.cfg = cfg
+        self.bm = bm
+        self.page_tables = page_tables  # HostPageTableBuilder | PaddedPageTableBuilder (toggle page_table)
+        self.backend = backend  # toggle attention
+        self.device = model.device
+        self.vision_tower = vision_tower
+        self.mask_impl = "triton"  # toggle mask
+        self.mm_embed_cache = True  # toggle mm_embed_cache
+        self.graphs = None  # DecodeGraphs when cuda_graphs=on and the backend supports them
+        self.tok_stage = PinnedStaging(3 * max_num_tokens, torch.int64, self.device)
+        self._mm_cache: dict[int, torch.Tensor] = {}
+        self._placeholder_ids = np.array([cfg.image_token_id, cfg.video_token_id])
+        self.num_encoder_calls = 0
+
+    # ---- prepare ---------------------------------------------------------------------------------------------
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        chunks = sched.chunks
+        b = len(chunks)
+        starts = np.fromiter((c.start for c in chunks), np.int64, b)
+        q_lens = np.fromiter((c.num_tokens for c in chunks), np.int64, b)
+        state = BatchState([c.req.request_id for c in chunks], starts, q_lens)
+        graph_bs = None
+        if self.graphs is not None and sched.num_decodes == b:
+            graph_bs = self.graphs.size_for(b, int((starts + q_lens).max()))
+        n_pad = 0 if graph_bs is None else graph_bs - b
+        tables = self.page_tables.build(state, pad_to=graph_bs)
+
+        ids = np.fromiter((t for c in chunks for t in c.req.token_ids[c.start : c.end]), np.int64, int(q_lens.sum()))
+        positions = np.concatenate([np.arange(s, s + q) for s, q in zip(starts, q_lens, strict=True)])
+        ids = np.concatenate([ids, np.zeros(n_pad, np.int64)])
+        positions = np.concatenate([positions, np.zeros(n_pad, np.int64)])
+        qo = np.zeros(b + n_pad + 1, np.int64)
+        np.cumsum(np.concatenate([q_lens, np.ones(n_pad, np.int64)]), out=qo[1:])
+        sampling = [i for i, c in enumerate(chunks) if c.samples]
+        logits_idx = qo[1:][sampling] - 1
+        t = len(ids)
+        dev = self.tok_stage.upload(np.concatenate([ids, positions, logits_idx]))
+
+        meta = AttentionMetadata(
+            num_tokens=t,
+            num_decodes=sched.num_decodes + n_pad,
+            qo_indptr=torch.from_numpy(qo.astype(np.int32)),
+            pools=tables,
+            custom_mask=self._custom_mask(sched, tables),
+            graph_batch_size=graph_bs,
+        )
+        return StepInputs(
+            input_ids=dev[:t],
+            positions=dev[t : 2 * t],
+            logits_indices=dev[2 * t :],
+            meta=meta,
+            mm_embeds=self._mm_embeds(sched),
+            sample_reqs=[chunks[i].req for i in sampling],
+        )
+
+    def _custom_mask(self, sched: SchedulerOutput, tables) -> torch.Tensor | None:
+        """Sliding-layer mask of the prefill chunks, only for bidirectional models with vision tokens in them."""
+        if not self.cfg.bidirectional_vision or SLIDING_POOL not in tables:
+            return None
+        prefills = sched.chunks[sched.num_decodes :]
+        types = [c.req.token_type_ids[c.start : c.end] for c in prefills]
+        if not any(t in (1, 2) for ty in types for t in ty):
+            return None
+        kv_lens = tables[SLIDING_POOL].kv_lens.tolist()[sched.num_decodes : sched.num_decodes + len(prefills)]
+        q_lens = [c.num_tokens for c in prefills]
+        prefix = [kv - q for kv, q in zip(kv_lens, q_lens, strict=True)]
+        flat = torch.tensor([t for ty in types for t in ty], dtype=torch.long)
+        window = self.cfg.sliding_window
+        return _build_mask(flat, q_lens, prefix, window, self.mask_impl, self.device)
+
+    # ---- multimodal ------------------------------------------------------------------------------------------
+    def _encode(self, req: Request) -> torch.Tensor:
+        rows = []
+        for item in req.mm_items:
+            if isinstance(item, torch.Tensor):  # precomputed soft tokens [n, H]
+                rows.append(item.to(self.device))
+                continue
+            pv = item["pixel_values"] if isinstance(item, dict) else item.pixel_values
+            pp = item["pixel_position_ids"] if isinstance(item, dict) else item.pixel_position_ids
+            if self.vision_tower is None:
+                raise RuntimeError("request has pixel inputs but the engine has no vision tower")
+            self.num_encoder_calls += 1
+            rows.append(self.vision_tower(pv.to(self.device), pp.to(self.device)))
+        return torch.cat(rows).to(self.model.dtype)
+
+    def _request_embeds(self, req: Request) -> torch.Tensor:
+        """mm_embed_cache=on: encode once per request, slice per chunk. off: re-encode all items every chunk."""
+        if not self.mm_embed_cache:
+            return self._encode(req)
+        if req.request_id not in self._mm_cache:
+            self._mm_cache[req.request_id] = self._encode(req)
+        return self._mm_cache[req.request_id]
+
+    def release(self, req_id: int) -> None:
+        self._mm_cache.pop(req_id, None)
+
+    def _mm_embeds(self, sched: SchedulerOutput) -> torch.Tensor | None:
+        """Rows for every image/video placeholder of the step, in token order. Placeholders of the prompt of a
+        request with mm_items take the request's soft tokens; any other placeholder id (a generated token, a
+        prompt without items) gets its own text embedding, exactly what the model computes without mm_embeds."""
+        parts: list[torch.Tensor] = []
+        text_ids: list[tuple[int, int]] = []  # (index into parts, token id) filled after the loop
+        any_vision = False
+        for c in sched.chunks:
+            req = c.req
+            toks = np.asarray(req.token_ids[c.start : c.end])
+            ph = np.nonzero(np.isin(toks, self._placeholder_ids))[0] + c.start
+            if len(ph) == 0:
+                continue
+            in_prompt = ph[ph < req.prompt_len] if req.mm_items else ph[:0]
+            if len(in_prompt):
+                any_vision = True
+                prompt = np.asarray(req.token_ids[: req.prompt_len])
+                before = int(np.isin(prompt[: c.start], self._placeholder_ids).sum())
+                parts.append(self._request_embeds(req)[before : before + len(in_prompt)])
+            for p in ph[len(in_prompt) :]:
+                text_ids.append((len(parts), req.token_ids[p]))
+                parts.append(None)
+        if not any_vision:
+            return None
+        if text_ids:
+            h, _ = self.model.embed(torch.tensor([t for _, t in text_ids], device=self.device))
+            for k, (i, _) in enumerate(text_ids):
+                parts[i] = h[k : k + 1]
+        return torch.cat(parts)
+
+    # ---- forward ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, inp: StepInputs) -> torch.Tensor:
+        """-> float32 logits [S, V], one row per sampling chunk."""
+        if inp.meta.graph_batch_size is not None:
+            logits = self.graphs.replay(inp)
+            return logits[: len(inp.sample_reqs)]
+        self.backend.set_metadata(inp.meta)
+        return self.model(inp.input_ids, inp.positions, self.backend, inp.mm_embeds, inp.logits_indices)
