@@ -309,6 +309,13 @@ class ScenarioConfig(BaseModel):
     def _limits(self) -> ScenarioConfig:
         if self.num_requests is None and self.duration_s is None:
             raise ValueError("set num_requests and/or duration_s")
+        if self.runner == "hf":
+            if self.arrival.kind == "rate":
+                raise ValueError("runner hf serves static batches: use arrival closed or all_at_once, not rate")
+            if self.workload.images is not None or self.workload.video is not None:
+                raise ValueError("runner hf runs text workloads only (no images/video)")
+            if self.num_requests is None:
+                raise ValueError("runner hf needs num_requests")
         if self.arrival.kind == "all_at_once" and self.num_requests is None:
             raise ValueError("arrival all_at_once needs num_requests (how many to submit at t=0)")
         return self

@@ -1,0 +1,293 @@
+"""One loaded model served by the bundled engine, with its capture instruments, for the scenarios of a suite.
+
+`load_target` builds the model once (weights, vision tower when a scenario has images) and the engine (KV pool
+sized from measured free memory), under memory phases `weights_load` and `kv_pool`. `run_scenario` sets the
+arm's toggles on the live engine, runs the warmup requests (excluded), then the measured ones under the
+scenario's arrival process, and assembles the ScenarioResult: metrics, throughput, counts, memory, NVTX ranges,
+telemetry and roofline.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from perfkit.capture.memory import MemoryTracker
+from perfkit.capture.profiler import ProfileWindow
+from perfkit.capture.ranges import RangeRecorder
+from perfkit.capture.telemetry import TelemetrySampler
+from perfkit.config import ModelConfig, RunConfig, ScenarioConfig, Toggles
+from perfkit.results import RooflineSection, ScenarioResult
+from perfkit.roofline import get_gpu_peak, match_gpu, roofline_section
+from perfkit.runners.inprocess import drive
+from perfkit.runners.metrics import compute_metrics
+from perfkit.workloads.arrivals import Limits, make_arrival, planned_requests
+from perfkit.workloads.requests import Request, TokenSpace, iter_requests
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_WARMUP_SEED_OFFSET = 1_000_003  # warmup requests: same mix, other content
+
+
+@dataclass
+class ServingTarget:
+    cfg: RunConfig
+    model_cfg: ModelConfig
+    device: str
+    run_dir: Path
+    model: Any
+    engine: Any
+    vision_tower: Any
+    memory: MemoryTracker
+    ranges: RangeRecorder
+    telemetry: TelemetrySampler
+    token_space: TokenSpace
+    setup_s: dict[str, float] = field(default_factory=dict)
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    def describe(self) -> str:
+        from perfkit.runtime.model_config import param_count
+
+        pc = param_count(self.model.cfg)
+        st = self.engine.stats
+        pages = ", ".join(f"{k} {v}" for k, v in st.kv_pages.items())
+        return (
+            f"  {self.model.cfg.name}: {pc.total / 1e9:.2f} B params on {self.device} ({self.model_cfg.dtype}); "
+            f"weights {self.setup_s.get('weights_s', 0):.1f} s, engine {self.setup_s.get('engine_s', 0):.1f} s; "
+            f"KV pages: {pages}"
+        )
+
+    def recover(self) -> None:
+        """After a failed scenario: drop every request and free cached memory so the next scenario starts clean."""
+        self.engine.abort_all()
+        self.ranges.reset()
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        self.telemetry.stop()
+        self.engine = self.model = self.vision_tower = None
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---- one scenario ----------------------------------------------------------------------------------------
+    def run_scenario(
+        self,
+        scenario: ScenarioConfig,
+        base: ScenarioResult,
+        toggles: Toggles,
+        on_progress: Callable[[int, float], None] | None = None,
+    ) -> tuple[ScenarioResult, list[dict[str, Any]]]:
+        engine = self.engine
+        for name, value in toggles.model_dump().items():
+            engine.set_toggle(name, value)
+        needs_vision = scenario.workload.images is not None or scenario.workload.video is not None
+        materialize = self._materializer() if needs_vision else None
+        n = planned_requests(scenario)
+        wl_seed = scenario.workload.seed
+
+        # warmup: same mix, other content, excluded from everything measured
+        if scenario.warmup_requests:
+            warm = iter_requests(scenario.workload, self.token_space, wl_seed + _WARMUP_SEED_OFFSET)
+            drive(engine, warm, make_arrival(scenario.arrival, scenario.warmup_requests, wl_seed),
+                  Limits(scenario.warmup_requests, None), materialize)
+        self.ranges.reset()
+        preempt0 = engine.stats.preemptions
+        mark = self.telemetry.mark()
+        profile = self._profile_window(scenario)
+
+        def on_step(step: int, finished: int, records: list) -> None:
+            profile.on_step(step)
+            if on_progress is not None and (step & 15) == 0 and records:
+                elapsed_s = max(1e-9, (time.perf_counter_ns() - records[0].submit_ns) / 1e9)
+                on_progress(finished, sum(r.output_tokens for r in records) / elapsed_s)
+
+        requests = iter_requests(scenario.workload, self.token_space, wl_seed)
+        with self.memory.phase(f"scenario:{scenario.name}"), profile:
+            outcome = drive(engine, requests, make_arrival(scenario.arrival, n, wl_seed), Limits.from_scenario(scenario),
+                            materialize, on_step)
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        sm = compute_metrics(outcome.records, scenario.slo, scenario.warmup_requests,
+                             engine.stats.preemptions - preempt0)
+        st = engine.stats
+        runtime = {
+            "attention": toggles.attention,
+            "steps": outcome.steps,
+            "stopped_by_duration": outcome.stopped_by_duration,
+            "kv_pages": st.kv_pages,
+            "kv_pool_bytes": st.kv_pool_bytes,
+            "graph_batch_sizes": st.graph_batch_sizes,
+            "graph_capture_s": round(st.graph_capture_s, 3),
+            "encoder_calls": st.encoder_calls,
+            "setup_s": self.setup_s,
+        }
+        if profile.trace_path is not None:
+            runtime["profile_trace"] = str(profile.trace_path)
+        nvtx = self.ranges.summary()
+        result = base.model_copy(
+            update={
+                "runtime": runtime,
+                "counts": sm.counts,
+                "metrics": sm.metrics,
+                "throughput": sm.throughput,
+                "memory": self.memory.section(),
+                "nvtx": nvtx,
+                "telemetry": self.telemetry.section(
+                    mark, self.run_dir, stem=f"{base.name.replace('/', '_')}-{base.arm_name}-{base.repeat}"
+                ),
+                "roofline": self._roofline(scenario, sm),
+            }
+        )
+        ctx = {"scenario": base.name, "arm": base.arm_name, "repeat": base.repeat}
+        return result, [r.to_json(**ctx) for r in outcome.records]
+
+    # ---- helpers ---------------------------------------------------------------------------------------------
+    def _materializer(self) -> Callable[[Request], list[dict[str, Any]]]:
+        from perfkit.runtime.vision import synthetic_images
+
+        if self.vision_tower is None:
+            self.vision_tower = _build_vision(self.model_cfg, self.model, self.device)
+            self.engine.set_vision_tower(self.vision_tower)
+        dtype = _DTYPES[self.model_cfg.dtype]
+
+        def materialize(req: Request) -> list[dict[str, Any]]:
+            items = []
+            for item in req.mm_items:
+                # frames of one item draw seeds item.seed*4096 + f: distinct from every other item's
+                pv, pp = synthetic_images(item.num_frames, item.num_soft_tokens, item.seed * 4096, self.device, dtype)
+                for f in range(item.num_frames):  # one vision run per image / per video frame
+                    items.append({"pixel_values": pv[f : f + 1], "pixel_position_ids": pp[f : f + 1]})
+            return items
+
+        return materialize
+
+    def _profile_window(self, scenario: ScenarioConfig) -> ProfileWindow:
+        cap = self.cfg.capture
+        wanted = cap.profile != "none" and (cap.profile_scenario in (None, scenario.name))
+        if not wanted:
+            return ProfileWindow("none")
+        start, stop = cap.profile_steps
+        return ProfileWindow(cap.profile, start, stop, self.run_dir / "profiles", name=scenario.name)
+
+    def _roofline(self, scenario: ScenarioConfig, sm: Any) -> RooflineSection:
+        if self.device != "cuda":
+            return RooflineSection(notes="no GPU: roofline not computed")
+        key = match_gpu(torch.cuda.get_device_name(0))
+        if key is None:
+            return RooflineSection(notes=f"no peak table entry for {torch.cuda.get_device_name(0)}")
+        peak = get_gpu_peak(key)
+        w = scenario.workload
+        isl = (w.isl.mean if w.isl is not None else 0) + w.shared_prefix_len
+        if w.images is not None:
+            isl += w.images.count * (w.images.tokens_per_image + 2)
+        osl = w.osl.mean
+        batch = getattr(scenario.arrival, "concurrency", None) or scenario.num_requests or 1
+        batch = min(batch, self.cfg.runtime.max_batch_size)
+        tpot = sm.metrics["tpot_ms"].p50
+        ttft = sm.metrics["ttft_ms"].p50 if batch == 1 else None
+        return roofline_section(
+            self.model.cfg,
+            peak,
+            decode_ctx_lens=[isl + osl // 2] * batch if osl > 1 else None,
+            decode_step_ms=tpot,
+            prefill_seq_lens=[isl] if batch == 1 else None,
+            prefill_ms=ttft,
+        )
+
+
+def model_config_for(mcfg: ModelConfig):
+    from perfkit.runtime.model_config import from_hf_config, get_preset
+
+    if mcfg.path is not None:
+        import json
+
+        cfg = from_hf_config(json.loads((Path(mcfg.path) / "config.json").read_text()), name=Path(mcfg.path).name)
+    else:
+        cfg = get_preset(mcfg.preset, num_layers=mcfg.num_layers)
+    if mcfg.sliding_window is not None:
+        from dataclasses import replace
+
+        cfg = replace(cfg, sliding_window=mcfg.sliding_window)
+    return cfg
+
+
+def _build_vision(mcfg: ModelConfig, model: Any, device: str) -> Any:
+    from perfkit.runtime.vision import build_vision_tower, load_vision_weights, vision_config_for
+    from perfkit.runtime.weights import load_hf_state
+
+    cfg = model.cfg
+    vcfg = cfg.vision if getattr(cfg, "vision", None) is not None else vision_config_for(mcfg.preset or "31b")
+    dtype = _DTYPES[mcfg.dtype]
+    if mcfg.weights == "hf":
+        tower = build_vision_tower(vcfg, cfg.hidden_size, device, dtype, init=False)
+        load_vision_weights(tower, load_hf_state(mcfg.path))
+        return tower
+    return build_vision_tower(vcfg, cfg.hidden_size, device, dtype, seed=mcfg.seed + 1)
+
+
+def load_target(cfg: RunConfig, mcfg: ModelConfig, device: str, run_dir: Path, toggles: Toggles) -> ServingTarget:
+    """Build model + engine once for a suite's scenarios, under memory phases."""
+    from perfkit.runtime.engine import Engine, EngineConfig
+    from perfkit.runtime.weights import build_model
+
+    cap = cfg.capture
+    memory = MemoryTracker(enabled=cap.memory)
+    ranges = RangeRecorder(enabled=cap.nvtx, device_timing=cap.device_timing and device == "cuda")
+    telemetry = TelemetrySampler(interval_ms=cap.telemetry_interval_ms, enabled=cap.telemetry and device == "cuda")
+    if device != "cuda" and cap.telemetry:
+        telemetry.reason = "no CUDA device"
+    model_cfg = model_config_for(mcfg)
+    setup: dict[str, float] = {}
+    t0 = time.perf_counter()
+    with memory.phase("weights_load"):
+        model = build_model(model_cfg, device, _DTYPES[mcfg.dtype], mcfg.weights, mcfg.path, mcfg.seed)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    setup["weights_s"] = round(time.perf_counter() - t0, 3)
+    memory.set_weights_bytes(sum(p.numel() * p.element_size() for p in model.parameters()))
+    needs_vision = any(s.workload.images is not None or s.workload.video is not None for s in cfg.scenarios)
+    vision = _build_vision(mcfg, model, device) if needs_vision else None
+    rt = cfg.runtime
+    ec = EngineConfig(
+        attention=toggles.attention,
+        page_size=rt.page_size,
+        kv_cache_fraction=rt.kv_cache_fraction,
+        max_batch_size=rt.max_batch_size,
+        max_num_tokens=rt.max_num_tokens,
+        max_model_len=rt.max_model_len,
+        kv_dtype="bfloat16",
+        cuda_graphs=toggles.cuda_graphs == "on",
+        page_table=toggles.page_table,
+        mask=toggles.mask,
+        mm_embed_cache=toggles.mm_embed_cache == "on",
+        decode_use_tensor_cores=None if rt.decode_tensor_cores == "auto" else rt.decode_tensor_cores == "on",
+        seed=mcfg.seed,
+    )
+    t0 = time.perf_counter()
+    with memory.phase("kv_pool"):
+        engine = Engine(model, model_cfg, ec, vision_tower=vision, ranges=ranges, memory=memory)
+    setup["engine_s"] = round(time.perf_counter() - t0, 3)
+    memory.set_kv_pool_bytes(sum(engine.stats.kv_pool_bytes.values()))
+    telemetry.start()
+    return ServingTarget(
+        cfg=cfg,
+        model_cfg=mcfg,
+        device=device,
+        run_dir=run_dir,
+        model=model,
+        engine=engine,
+        vision_tower=vision,
+        memory=memory,
+        ranges=ranges,
+        telemetry=telemetry,
+        token_space=TokenSpace.from_model_config(model_cfg),
+        setup_s=setup,
+    )

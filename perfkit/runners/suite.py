@@ -1,0 +1,230 @@
+"""`perfkit run`: a whole suite, scenarios x arms x repeats on one loaded model per model entry.
+
+    config -> provenance -> for each model: load once (weights, vision tower, engine + KV pool) ->
+      for each scenario, for each repeat, for each arm (interleaved A B A B):
+        set the arm's toggles on the live engine -> warmup requests (excluded) -> measured requests ->
+        metrics + capture summaries -> result appended and flushed to disk
+
+A scenario that runs out of GPU memory is recorded with status `oom` and the run continues; any other failure
+of one scenario is recorded as `error` (traceback in the run directory's errors.log) and the run continues.
+Ctrl-C flushes what is done and exits 130.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from perfkit import provenance
+from perfkit.config import ModelConfig, RunConfig, ScenarioConfig, Toggles, stable_hash
+from perfkit.errors import PerfkitError
+from perfkit.results import Result, RunWriter, ScenarioResult, WorkloadInfo, make_run_id
+from perfkit.runners.serving import load_target, model_config_for
+
+
+def default_config_path() -> Path:
+    """The packaged smoke suite, run by `perfkit run` without a config."""
+    return Path(str(importlib.resources.files("perfkit") / "smoke.yaml"))
+
+
+def resolve_device(model: ModelConfig) -> str:
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    if model.device == "cuda" and not has_cuda:
+        raise PerfkitError(
+            "model.device is cuda but no CUDA GPU is visible; run on a GPU machine or use --set model.device=auto"
+        )
+    if model.device == "auto":
+        return "cuda" if has_cuda else "cpu"
+    return model.device
+
+
+def resolve_toggles(toggles: Toggles, device: str) -> Toggles:
+    """Turn `auto` into a concrete backend and refuse combinations the machine cannot run."""
+    has_flashinfer = importlib.util.find_spec("flashinfer") is not None
+    attention = toggles.attention
+    if attention == "auto":
+        attention = "flashinfer" if device == "cuda" and has_flashinfer else "torch"
+    if attention == "flashinfer" and (device != "cuda" or not has_flashinfer):
+        why = "no CUDA device" if device != "cuda" else "flashinfer is not installed (pip install -e .[gpu])"
+        raise PerfkitError(f"toggles.attention=flashinfer cannot run here: {why}; use attention: torch or auto")
+    cuda_graphs = toggles.cuda_graphs if (device == "cuda" and attention == "flashinfer") else "off"
+    return toggles.model_copy(update={"attention": attention, "cuda_graphs": cuda_graphs})
+
+
+def _check_supported(cfg: RunConfig) -> None:
+    for _, m in cfg.model_list():
+        if m.quant != "bf16":
+            raise PerfkitError(
+                f"model.quant={m.quant}: quantized weights are not implemented in this perfkit yet; use quant: bf16"
+            )
+    if cfg.runtime.kv_dtype != "bf16":
+        raise PerfkitError("runtime.kv_dtype=fp8: FP8 KV is not implemented in this perfkit yet; use kv_dtype: bf16")
+
+
+def run_suite(cfg: RunConfig, out_dir: Path | None, command: str, console: Console) -> int:
+    """Run every scenario of `cfg`; returns the process exit code (0 ok, 1 some scenario failed, 130 Ctrl-C)."""
+    _check_supported(cfg)
+    models = cfg.model_list()
+    devices = {name: resolve_device(m) for name, m in models}
+    arms = {name: [(a, resolve_toggles(t, devices[name])) for a, t in cfg.arm_list()] for name, _ in models}
+    result = Result(
+        run_id=make_run_id(cfg.name, cfg.output.label),
+        command=command,
+        config=cfg.model_dump(mode="json"),
+        provenance=provenance.collect(),
+    )
+    writer = RunWriter(out_dir or Path(cfg.output.dir), result)
+    console.print(f"perfkit run [bold]{cfg.name}[/]: {len(cfg.scenarios)} scenarios x {len(cfg.arm_list())} arms x "
+                  f"{cfg.repeats} repeats -> {writer.dir}")
+    failures = 0
+    target: Any = None
+    try:
+        for model_name, mcfg in models:
+            prefix = f"{model_name}/" if len(models) > 1 else ""
+            device = devices[model_name]
+            # the engine's scenarios first, then the HF peer's: each target holds the GPU alone
+            for runner in ("engine", "hf"):
+                scenarios = [s for s in cfg.scenarios if s.runner == runner]
+                if not scenarios:
+                    continue
+                console.print(f"loading {model_name} for the {runner} runner on {device} ...")
+                target = _load(runner, cfg, mcfg, device, writer.dir, arms[model_name][0][1])
+                console.print(target.describe())
+                for scenario in scenarios:
+                    for repeat in range(cfg.repeats):
+                        for arm_name, toggles in arms[model_name] if runner == "engine" else [("hf", None)]:
+                            res, lines = _run_one(target, scenario, prefix + scenario.name, arm_name, toggles,
+                                                  repeat, writer.dir, console)
+                            failures += res.status != "ok"
+                            writer.add_scenario(res, lines)
+                            _print_line(console, res)
+                target.close()
+                target = None
+    except KeyboardInterrupt:
+        if target is not None:
+            target.close()
+        path = writer.finish("interrupted")
+        console.print(f"[yellow]interrupted[/]: {len(writer.result.scenarios)} finished scenarios kept in {path}")
+        return 130
+    path = writer.finish("complete")
+    print_summary(console, writer.result)
+    console.print(f"result: {path}")
+    return 1 if failures else 0
+
+
+def _load(runner: str, cfg: RunConfig, mcfg: ModelConfig, device: str, run_dir: Path, toggles: Toggles) -> Any:
+    if runner == "hf":
+        from perfkit.runners.hf_peer import load_hf_target
+
+        return load_hf_target(cfg, mcfg, device, model_config_for(mcfg))
+    return load_target(cfg, mcfg, device, run_dir, toggles)
+
+
+def _run_one(
+    target: Any,
+    scenario: ScenarioConfig,
+    name: str,
+    arm_name: str,
+    toggles: Toggles | None,
+    repeat: int,
+    run_dir: Path,
+    console: Console,
+) -> tuple[ScenarioResult, list[dict[str, Any]]]:
+    base = ScenarioResult(
+        name=name,
+        arm_name=arm_name,
+        arm=toggles.model_dump() if toggles is not None else {"runner": "hf"},
+        repeat=repeat,
+        runner=scenario.runner,
+        workload=WorkloadInfo(spec=scenario.workload.model_dump(mode="json"),
+                              hash=stable_hash(scenario.model_dump(mode="json"))),
+        started_unix_s=time.time(),
+    )
+    total = scenario.num_requests
+    with Progress(
+        TextColumn(f"{name} [{arm_name} #{repeat}]"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} req"),
+        TextColumn("{task.fields[tok_s]:>8.1f} tok/s"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("run", total=total, tok_s=0.0)
+
+        def on_progress(done: int, tok_s: float) -> None:
+            progress.update(task, completed=done, tok_s=tok_s)
+
+        try:
+            res, lines = target.run_scenario(scenario, base, toggles, on_progress)
+        except PerfkitError:
+            raise
+        except KeyboardInterrupt:
+            raise
+        except Exception as err:  # noqa: BLE001 - recorded per scenario, the run continues
+            target.recover()
+            status = "oom" if _is_oom(err) else "error"
+            with open(run_dir / "errors.log", "a") as f:
+                f.write(f"--- {name} arm={arm_name} repeat={repeat}\n{traceback.format_exc()}\n")
+            msg = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            return base.model_copy(update={"status": status, "message": msg[:500]}), []
+    return res, lines
+
+
+def _is_oom(err: BaseException) -> bool:
+    import torch
+
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def _fmt(v: float | None, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _print_line(console: Console, res: ScenarioResult) -> None:
+    if res.status != "ok":
+        console.print(f"  {res.name} [{res.arm_name} #{res.repeat}]: [red]{res.status}[/] {res.message or ''}")
+        return
+    m, t = res.metrics, res.throughput
+    console.print(
+        f"  {res.name} [{res.arm_name} #{res.repeat}]: TTFT p50 {_fmt(m['ttft_ms'].p50)} ms, "
+        f"TPOT p50 {_fmt(m['tpot_ms'].p50, '.2f')} ms, {_fmt(t.output_tok_s if t else None)} out tok/s"
+    )
+
+
+def print_summary(console: Console, result: Result) -> None:
+    """The end-of-run table: one row per scenario x arm x repeat."""
+    table = Table(title=f"perfkit run {result.run_id}", show_lines=False)
+    for col in ("scenario", "arm", "rep", "status", "req", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
+                "ITL p99 ms", "out tok/s", "peak mem GiB", "bound ms", "MBU"):
+        table.add_column(col, justify="left" if col in ("scenario", "arm", "status") else "right")
+    for s in result.scenarios:
+        m = s.metrics
+        peak = None
+        if s.memory is not None and s.memory.available:
+            scen = [p for k, p in s.memory.phases.items() if k.startswith("scenario:")]
+            peak = max((p.peak_allocated_bytes for p in scen), default=None)
+        rf = s.roofline
+        table.add_row(
+            s.name, s.arm_name, str(s.repeat), s.status,
+            str(s.counts.requests) if s.counts else "-",
+            _fmt(m["ttft_ms"].p50) if "ttft_ms" in m else "-",
+            _fmt(m["ttft_ms"].p99) if "ttft_ms" in m else "-",
+            _fmt(m["tpot_ms"].p50, ".2f") if "tpot_ms" in m else "-",
+            _fmt(m["itl_ms"].p99, ".2f") if "itl_ms" in m else "-",
+            _fmt(s.throughput.output_tok_s) if s.throughput else "-",
+            _fmt(peak / 2**30 if peak else None, ".2f"),
+            _fmt(rf.decode_bound_ms if rf else None, ".2f"),
+            _fmt(rf.mbu if rf else None, ".2f"),
+        )  # fmt: skip
+    console.print(table)
