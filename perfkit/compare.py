@@ -157,9 +157,12 @@ def metric_label(path: str) -> tuple[str, str]:
     if m["dist"]:
         return f"{m['dist'][:-3].upper()} {m['stat']}", "ms"
     if m["tp"]:
-        return {"output_tok_s": ("output throughput", "tok/s"), "total_tok_s": ("total throughput", "tok/s"),
-                "request_s": ("request throughput", "req/s"),
-                "goodput_request_s": ("goodput", "req/s")}[m["tp"]]
+        return {
+            "output_tok_s": ("output throughput", "tok/s"),
+            "total_tok_s": ("total throughput", "tok/s"),
+            "request_s": ("request throughput", "req/s"),
+            "goodput_request_s": ("goodput", "req/s"),
+        }[m["tp"]]
     if m["mem"]:
         kind = "allocated" if "allocated" in m["mem"] else "reserved"
         return f"peak {kind} · {m['phase']}", "GiB"
@@ -186,8 +189,12 @@ def _repeat_value(s: ScenarioResult, path: str) -> float | None:
 
 def available_metrics(s: ScenarioResult) -> list[str]:
     """Every metric path this scenario has, in report order."""
-    out = [f"{d}.{q}" for d in DIST_METRICS for q in ("mean", "p50", "p90", "p95", "p99")
-           if d in s.metrics and s.metrics[d].n > 0]
+    out = [
+        f"{d}.{q}"
+        for d in DIST_METRICS
+        for q in ("mean", "p50", "p90", "p95", "p99")
+        if d in s.metrics and s.metrics[d].n > 0
+    ]
     if s.throughput is not None:
         out += [t for t in THROUGHPUTS if getattr(s.throughput, t, None) is not None]
     if s.memory is not None and s.memory.available:
@@ -236,8 +243,11 @@ def _side(lo: Loaded, scenario: str, arm: str, reps: list[ScenarioResult], warni
     ok = [s for s in reps if s.status == "ok"]
     bad = [s for s in reps if s.status != "ok"]
     for s in bad:
-        warnings.append(f"{lo.label}: {scenario}/{arm} repeat {s.repeat} is {s.status}"
-                        + (f" ({s.message})" if s.message else "") + "; left out")
+        warnings.append(
+            f"{lo.label}: {scenario}/{arm} repeat {s.repeat} is {s.status}"
+            + (f" ({s.message})" if s.message else "")
+            + "; left out"
+        )
     ok_repeats = {s.repeat for s in ok}
     toggles = reps[0].arm if reps else {}
     reqs = [r for r in _requests_for(lo, scenario, arm, toggles) if r.get("repeat", 0) in ok_repeats]
@@ -270,8 +280,10 @@ def align(a: Loaded, b: Loaded | None) -> tuple[list[tuple[Side, Side, bool]], l
     arms_b = list(dict.fromkeys(arm for _, arm in gb))
     same_arms = set(arms_a) == set(arms_b) and len(arms_a) > 1
     if not same_arms and (len(arms_a) > 1 or len(arms_b) > 1):
-        warnings.append(f"arms differ between files ({', '.join(arms_a)} vs {', '.join(arms_b)}); "
-                        f"comparing the first arm of each ({arms_a[0]} vs {arms_b[0]})")
+        warnings.append(
+            f"arms differ between files ({', '.join(arms_a)} vs {', '.join(arms_b)}); "
+            f"comparing the first arm of each ({arms_a[0]} vs {arms_b[0]})"
+        )
     names_b = {name for name, _ in gb}
     for scen in dict.fromkeys(name for name, _ in ga):
         if scen not in names_b:
@@ -280,8 +292,13 @@ def align(a: Loaded, b: Loaded | None) -> tuple[list[tuple[Side, Side, bool]], l
         arm_pairs = [(x, x) for x in arms_a] if same_arms else [(arms_a[0], arms_b[0])]
         for arm_a, arm_b in arm_pairs:
             if (scen, arm_a) in ga and (scen, arm_b) in gb:
-                pairs.append((_side(a, scen, arm_a, ga[(scen, arm_a)], warnings),
-                              _side(b, scen, arm_b, gb[(scen, arm_b)], warnings), False))
+                pairs.append(
+                    (
+                        _side(a, scen, arm_a, ga[(scen, arm_a)], warnings),
+                        _side(b, scen, arm_b, gb[(scen, arm_b)], warnings),
+                        False,
+                    )
+                )
     for scen in dict.fromkeys(name for name, _ in gb):
         if scen not in {name for name, _ in ga}:
             warnings.append(f"scenario {scen} is only in {b.label}")
@@ -312,15 +329,23 @@ def comparability_warnings(a: Loaded, b: Loaded, pairs: Iterable[tuple[Side, Sid
         if bool(ga.get("available", "name" in ga)) != bool(gb.get("available", "name" in gb)):
             out.append(f"GPU availability differs: A {_gpu_name(pa)}, B {_gpu_name(pb)}")
         else:
-            for key, what in (("name", "GPU"), ("driver", "driver"), ("cuda_driver", "CUDA driver"),
-                              ("device_count", "GPU count"), ("power_limit_w", "power limit"),
-                              ("sm_clock_max_mhz", "max SM clock")):
+            for key, what in (
+                ("name", "GPU"),
+                ("driver", "driver"),
+                ("cuda_driver", "CUDA driver"),
+                ("device_count", "GPU count"),
+                ("power_limit_w", "power limit"),
+                ("sm_clock_max_mhz", "max SM clock"),
+            ):
                 va, vb = ga.get(key), gb.get(key)
                 if va is not None and vb is not None and va != vb:
                     out.append(f"{what} differs: A {va}, B {vb}")
         pk_a, pk_b = pa.get("packages") or {}, pb.get("packages") or {}
-        diffs = [f"{n} {pk_a.get(n)} → {pk_b.get(n)}" for n in sorted(set(pk_a) | set(pk_b))
-                 if n != "perfkit" and pk_a.get(n) != pk_b.get(n)]
+        diffs = [
+            f"{n} {pk_a.get(n)} → {pk_b.get(n)}"
+            for n in sorted(set(pk_a) | set(pk_b))
+            if n != "perfkit" and pk_a.get(n) != pk_b.get(n)
+        ]
         if diffs:
             out.append("package versions differ: " + ", ".join(diffs))
         ma, mb = a.result.config.get("model") or {}, b.result.config.get("model") or {}
@@ -336,8 +361,11 @@ def comparability_warnings(a: Loaded, b: Loaded, pairs: Iterable[tuple[Side, Sid
         ha = {s.workload.hash for s in sa.repeats if s.workload is not None}
         hb = {s.workload.hash for s in sb.repeats if s.workload is not None}
         if ha and hb and ha != hb:
-            out.append(f"{sa.scenario}: workload differs between {sa.arm} and {sb.arm} "
-                       f"(hash {', '.join(sorted(ha))} vs {', '.join(sorted(hb))})")
+            who = (sa.arm, sb.arm) if sa.loaded is sb.loaded else ("A", "B")
+            out.append(
+                f"{sa.scenario}: workload differs between {who[0]} and {who[1]} "
+                f"(hash {', '.join(sorted(ha))} vs {', '.join(sorted(hb))})"
+            )
     return out
 
 
@@ -370,9 +398,13 @@ def provenance_line(a: Loaded, b: Loaded) -> str:
     def both(fa: str, fb: str) -> str:
         return fa if fa == fb else f"{fa} → {fb}"
 
-    quant = both(str(_get(a.result.config, "model", "quant") or "?"), str(_get(b.result.config, "model", "quant") or "?"))
-    return (f"GPU: {both(gpu(pa), gpu(pb))} · model: {both(model(a.result.config), model(b.result.config))} · "
-            f"quant: {quant} · commit: {both(commit(pa), commit(pb))}")
+    quant = both(
+        str(_get(a.result.config, "model", "quant") or "?"), str(_get(b.result.config, "model", "quant") or "?")
+    )
+    return (
+        f"GPU: {both(gpu(pa), gpu(pb))} · model: {both(model(a.result.config), model(b.result.config))} · "
+        f"quant: {quant} · commit: {both(commit(pa), commit(pb))}"
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -399,7 +431,13 @@ def _seed(path: str, scenario: str, seed: int) -> int:
 
 
 def compare_metric(
-    a: Side, b: Side, path: str, paired: bool, *, seed: int = 0, n_resamples: int = st.DEFAULT_RESAMPLES,
+    a: Side,
+    b: Side,
+    path: str,
+    paired: bool,
+    *,
+    seed: int = 0,
+    n_resamples: int = st.DEFAULT_RESAMPLES,
     confidence: float = 0.95,
 ) -> MetricRow | None:
     """One row, or None when the metric is missing on either side."""
@@ -426,8 +464,9 @@ def compare_metric(
         if pair_ok:
             d = st.compare_values(pa_, pb_, m["stat"] or "mean", paired=True, per_repeat=True, confidence=confidence)
         else:
-            d = st.compare_values([v for _, v in va], [v for _, v in vb], "mean", paired=False, per_repeat=True,
-                                  confidence=confidence)
+            d = st.compare_values(
+                [v for _, v in va], [v for _, v in vb], "mean", paired=False, per_repeat=True, confidence=confidence
+            )
         method = d.method
     elif m["dist"]:
         stat = m["stat"]
@@ -436,22 +475,53 @@ def compare_metric(
             if len(ga) >= 2 and len(gb) >= 2:
                 pt, lo, hi = st.cluster_bootstrap_delta_pct(ga, gb, stat, n_resamples, rseed, confidence)
                 xa, xb = np.concatenate(ga), np.concatenate(gb)
-                d = st.DeltaCI(float(st.statistic(xa, stat)), float(st.statistic(xb, stat)), pt, lo, hi,
-                               "cluster-bootstrap", len(ga), len(gb), True, confidence)
+                d = st.DeltaCI(
+                    float(st.statistic(xa, stat)),
+                    float(st.statistic(xb, stat)),
+                    pt,
+                    lo,
+                    hi,
+                    "cluster-bootstrap",
+                    len(ga),
+                    len(gb),
+                    True,
+                    confidence,
+                )
                 method = d.method
         else:
             xa, xb = _request_values(a, m["dist"]), _request_values(b, m["dist"])
             if xa.size >= 2 and xb.size >= 2:
-                d = st.compare_values(xa, xb, stat, paired=False, per_repeat=False, seed=rseed,
-                                      n_resamples=n_resamples, confidence=confidence)
+                d = st.compare_values(
+                    xa,
+                    xb,
+                    stat,
+                    paired=False,
+                    per_repeat=False,
+                    seed=rseed,
+                    n_resamples=n_resamples,
+                    confidence=confidence,
+                )
                 method = d.method
     if d is None:
         ma = float(np.mean([v for _, v in va]))
         mb = float(np.mean([v for _, v in vb]))
         delta = 100 * (mb - ma) / ma if ma else None
         return MetricRow(path, label, unit, dir_, ma, mb, delta, None, None, "n/a", "none", len(va), len(vb))
-    return MetricRow(path, label, unit, dir_, d.a, d.b, d.delta_pct, d.lo_pct, d.hi_pct,
-                     st.verdict(d.lo_pct, d.hi_pct, dir_), method, d.n_a, d.n_b)
+    return MetricRow(
+        path,
+        label,
+        unit,
+        dir_,
+        d.a,
+        d.b,
+        d.delta_pct,
+        d.lo_pct,
+        d.hi_pct,
+        st.verdict(d.lo_pct, d.hi_pct, dir_),
+        method,
+        d.n_a,
+        d.n_b,
+    )
 
 
 def _noise_notes(a: Side, b: Side, metrics: list[str]) -> list[str]:
@@ -467,8 +537,9 @@ def _noise_notes(a: Side, b: Side, metrics: list[str]) -> list[str]:
             pairs = [(s.repeat, _repeat_value(s, path)) for s in side.repeats]
             pairs = [(r, v) for r, v in pairs if v is not None]
             if len(pairs) >= 3:
-                diags[metric_label(path)[0]] = st.noise([v for _, v in pairs], st.direction(path),
-                                                        [r for r, _ in pairs])
+                diags[metric_label(path)[0]] = st.noise(
+                    [v for _, v in pairs], st.direction(path), [r for r, _ in pairs]
+                )
         notes += st.noise_warnings(side.arm, diags)
     return notes
 
@@ -486,8 +557,15 @@ def compare(
     """Load, align and compare. `metrics`: patterns selecting rows (default: the standard PR set)."""
     a = load(a_path)
     b = load(b_path) if b_path is not None else a
-    return compare_loaded(a, None if b_path is None else b, metrics, seed=seed, n_resamples=n_resamples,
-                          confidence=confidence, extra_metrics=extra_metrics)
+    return compare_loaded(
+        a,
+        None if b_path is None else b,
+        metrics,
+        seed=seed,
+        n_resamples=n_resamples,
+        confidence=confidence,
+        extra_metrics=extra_metrics,
+    )
 
 
 def compare_loaded(
@@ -509,8 +587,12 @@ def compare_loaded(
             continue
         paths = available_metrics(sa.repeats[0]) if metrics else default_metrics(sa.repeats[0])
         paths = _select(paths, metrics) + [p for p in extra_metrics if p not in _select(paths, metrics)]
-        rows = [r for p in paths if (r := compare_metric(sa, sb, p, paired, seed=seed, n_resamples=n_resamples,
-                                                         confidence=confidence)) is not None]
+        rows = [
+            r
+            for p in paths
+            if (r := compare_metric(sa, sb, p, paired, seed=seed, n_resamples=n_resamples, confidence=confidence))
+            is not None
+        ]
         notes = _noise_notes(sa, sb, [r.metric for r in rows])
         if len(sa.repeats) != len(sb.repeats):
             notes.append(f"repeat counts differ: {sa.arm} {len(sa.repeats)}, {sb.arm} {len(sb.repeats)}")
@@ -564,8 +646,9 @@ def check_thresholds(report: Report, thresholds: Sequence[Threshold]) -> list[st
         for c, r in rows:
             if t.crossed(r.delta_pct):  # type: ignore[arg-type]
                 sig = "significant" if r.verdict in ("better", "worse") else f"CI {_ci_text(r)}, {r.verdict}"
-                failures.append(f"{c.scenario} {c.b.arm} vs {c.a.arm}: {t.metric} {r.delta_pct:+.2f}% crosses "
-                                f"{t.pct:+g}% ({sig})")
+                failures.append(
+                    f"{c.scenario} {c.b.arm} vs {c.a.arm}: {t.metric} {r.delta_pct:+.2f}% crosses {t.pct:+g}% ({sig})"
+                )
     return failures
 
 
@@ -612,9 +695,11 @@ def method_text(c: Comparison, confidence: float) -> str:
     if "welch-t" in methods:
         parts.append(f"Welch t-interval over repeats ({len(c.a.repeats)} vs {len(c.b.repeats)}, not interleaved)")
     if methods & {"bootstrap", "cluster-bootstrap"}:
-        parts.append(f"bootstrap over per-request values ({st.DEFAULT_RESAMPLES} resamples; ITL resamples "
-                     "whole requests) — **within-run only**: run-to-run noise is not in the interval, repeat ≥ 3× "
-                     "for a trustworthy CI")
+        parts.append(
+            f"bootstrap over per-request values ({st.DEFAULT_RESAMPLES} resamples; ITL resamples "
+            "whole requests) — **within-run only**: run-to-run noise is not in the interval, repeat ≥ 3× "
+            "for a trustworthy CI"
+        )
     if "none" in methods:
         parts.append("no CI for per-run scalars (throughput, memory, NVTX) with < 3 repeats")
     return f"{int(round(confidence * 100))}% CI: " + "; ".join(parts) + "."
@@ -623,7 +708,11 @@ def method_text(c: Comparison, confidence: float) -> str:
 def _title(report: Report, c: Comparison) -> str:
     if report.a is report.b:
         return f"{c.scenario} · A = `{c.a.arm}`, B = `{c.b.arm}`"
-    return f"{c.scenario} · A = `{report.a.label}` ({c.a.arm}), B = `{report.b.label}` ({c.b.arm})"
+
+    def side(label: str, arm: str) -> str:
+        return f"`{label}`" + ("" if arm == "default" else f" ({arm})")
+
+    return f"{c.scenario} · A = {side(report.a.label, c.a.arm)}, B = {side(report.b.label, c.b.arm)}"
 
 
 def to_markdown(report: Report, images: Sequence[tuple[str, str]] = ()) -> str:
@@ -631,11 +720,17 @@ def to_markdown(report: Report, images: Sequence[tuple[str, str]] = ()) -> str:
     lines = ["## perfkit compare", "", report.provenance_line, ""]
     ci_head = f"Δ % ({int(round(report.confidence * 100))}% CI)"
     for c in report.comparisons:
-        lines += [f"### {_title(report, c)}", "", f"| metric | A | B | {ci_head} | verdict |",
-                  "| --- | ---: | ---: | ---: | --- |"]
+        lines += [
+            f"### {_title(report, c)}",
+            "",
+            f"| metric | A | B | {ci_head} | verdict |",
+            "| --- | ---: | ---: | ---: | --- |",
+        ]
         for r in c.rows:
-            lines.append(f"| {r.label} ({r.unit}) | {fmt_value(r.a, r.unit)} | {fmt_value(r.b, r.unit)} | "
-                         f"{delta_text(r)} | {VERDICT_MARK[r.verdict]} |")
+            lines.append(
+                f"| {r.label} ({r.unit}) | {fmt_value(r.a, r.unit)} | {fmt_value(r.b, r.unit)} | "
+                f"{delta_text(r)} | {VERDICT_MARK[r.verdict]} |"
+            )
         lines += ["", f"<sub>{method_text(c, report.confidence)}</sub>", ""]
         if c.notes:
             lines += ["Noise:", ""] + [f"- {n}" for n in c.notes] + [""]
@@ -662,8 +757,13 @@ def render_rich(report: Report, console: Any) -> None:
         t.add_column("verdict")
         for r in c.rows:
             s = style[r.verdict]
-            t.add_row(f"{r.label} ({r.unit})", fmt_value(r.a, r.unit), fmt_value(r.b, r.unit), delta_text(r),
-                      f"[{s}]{r.verdict}[/{s}]")
+            t.add_row(
+                f"{r.label} ({r.unit})",
+                fmt_value(r.a, r.unit),
+                fmt_value(r.b, r.unit),
+                delta_text(r),
+                f"[{s}]{r.verdict}[/{s}]",
+            )
         console.print(t)
         console.print(method_text(c, report.confidence).replace("**", ""), style="dim")
         for n in c.notes:

@@ -323,8 +323,9 @@ def direction(metric: str) -> Direction:
     """Which way is good for a metric path: latencies (`_ms`) and memory (`_bytes`) lower, throughputs higher."""
     leaf = metric.lower()
     parts = leaf.split(".")
-    if any(p.endswith("_tok_s") or p in ("request_s", "goodput_request_s", "goodput_fraction", "mbu", "mfu")
-           for p in parts):
+    if any(
+        p.endswith("_tok_s") or p in ("request_s", "goodput_request_s", "goodput_fraction", "mbu", "mfu") for p in parts
+    ):
         return "higher"
     if any(p.endswith("_ms") or p.endswith("_bytes") or p.endswith("_gib") for p in parts):
         return "lower"
@@ -407,12 +408,14 @@ def cv(values: Sequence[float] | np.ndarray) -> float | None:
     return float(x.std(ddof=1) / abs(x.mean()))
 
 
-def mad_outliers(values: Sequence[float] | np.ndarray, threshold: float = OUTLIER_Z, min_rel: float = 0.0) -> np.ndarray:
+def mad_outliers(
+    values: Sequence[float] | np.ndarray, threshold: float = OUTLIER_Z, min_rel: float = 0.0
+) -> np.ndarray:
     """Boolean mask of outliers by the modified z-score |x - median| / (1.4826 MAD) > threshold.
-    Robust to the outliers themselves (unlike mean +- k sigma); all False when MAD is 0. `min_rel` also
+    Robust to the outliers themselves (unlike mean +- k sigma); all False when MAD is 0 or n < 5. `min_rel` also
     requires |x - median| > min_rel * |median|, so a 0.5 % wobble among very tight repeats is not reported."""
     x = np.asarray(values, dtype=float)
-    if x.size < 3:
+    if x.size < 5:  # the MAD of 3-4 values is too unstable to call anything an outlier
         return np.zeros(x.shape, dtype=bool)
     med = np.median(x)
     mad = 1.4826 * np.median(np.abs(x - med))
@@ -470,8 +473,10 @@ def noise_warnings(arm: str, diags: dict[str, Noise]) -> list[str]:
         for r in d.outlier_repeats:
             by_rep.setdefault(r, []).append(m)
     for r, ms in sorted(by_rep.items()):
-        out.append(f"{arm}: repeat {r} is an outlier (modified z > {OUTLIER_Z}, > {100 * OUTLIER_MIN_REL:.0f}% "
-                   f"off the median) on {', '.join(ms)}")
+        out.append(
+            f"{arm}: repeat {r} is an outlier (modified z > {OUTLIER_Z}, > {100 * OUTLIER_MIN_REL:.0f}% "
+            f"off the median) on {', '.join(ms)}"
+        )
     return out
 
 

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
 from perfkit.results import KernelRow, MemorySection, RangeStats, Result, ScenarioResult
 
@@ -85,8 +86,16 @@ def delta_bars(rows: Sequence[DeltaRowLike], title: str = "", confidence: float 
     if with_ci:
         lo = np.array([rows[i].lo_pct for i in with_ci], dtype=float)
         hi = np.array([rows[i].hi_pct for i in with_ci], dtype=float)
-        ax.errorbar(d[with_ci], y[with_ci], xerr=[d[with_ci] - lo, hi - d[with_ci]], fmt="none", ecolor="black",
-                    capsize=3, lw=1, label=f"{int(round(confidence * 100))}% CI")
+        ax.errorbar(
+            d[with_ci],
+            y[with_ci],
+            xerr=[np.clip(d[with_ci] - lo, 0, None), np.clip(hi - d[with_ci], 0, None)],
+            fmt="none",
+            ecolor="black",
+            capsize=3,
+            lw=1,
+            label=f"{int(round(confidence * 100))}% CI",
+        )
     ax.axvline(0, color="black", lw=0.8)
     ax.set_yticks(y, [f"{r.label} ({r.unit})" for r in rows], fontsize=7)
     ax.set_xlabel(f"Δ % of B vs A ({int(round(confidence * 100))}% CI)")
@@ -131,8 +140,9 @@ def throughput_points(result: Result) -> dict[str, list[tuple[int, float, float]
     return {arm: sorted(pts) for arm, pts in out.items()}
 
 
-def throughput_vs_latency(series: Mapping[str, Sequence[tuple[int, float, float]]], x: str = "per_user_tok_s",
-                          title: str = "") -> Figure:
+def throughput_vs_latency(
+    series: Mapping[str, Sequence[tuple[int, float, float]]], x: str = "per_user_tok_s", title: str = ""
+) -> Figure:
     """Output tok/s against per-user tok/s (1000 / median TPOT) or TPOT, one curve per arm, points = concurrency."""
     fig, (ax,) = new_figure(1)
     for label, pts in series.items():
@@ -162,8 +172,15 @@ def memory_by_phase(series: Mapping[str, MemorySection], title: str = "") -> Fig
         res = [mem.phases[p].peak_reserved_bytes / GIB if p in mem.phases else np.nan for p in phases]
         pos = x - 0.4 + width * (i + 0.5)
         bars = ax.bar(pos, alloc, width * 0.9, label=f"{label} allocated")
-        ax.bar(pos, res, width * 0.9, fill=False, edgecolor=bars.patches[0].get_facecolor() if bars.patches else "k",
-               linestyle="--", label=f"{label} reserved")
+        ax.bar(
+            pos,
+            res,
+            width * 0.9,
+            fill=False,
+            edgecolor=bars.patches[0].get_facecolor() if bars.patches else "k",
+            linestyle="--",
+            label=f"{label} reserved",
+        )
     ax.set_xticks(x, phases)
     ax.set_xlabel("phase")
     ax.set_ylabel("peak CUDA memory (GiB)")
@@ -214,18 +231,35 @@ def mask_sweep(rows: Sequence[KernelRow], title: str = "") -> Figure:
         med = np.asarray(lat, dtype=float)
         lo = np.asarray([r.p10_ms if r.p10_ms is not None else m for r, m in zip(rs, med, strict=True)], dtype=float)
         hi = np.asarray([r.p90_ms if r.p90_ms is not None else m for r, m in zip(rs, med, strict=True)], dtype=float)
-        ax_lat.errorbar(seq, med, yerr=[np.clip(med - lo, 0, None), np.clip(hi - med, 0, None)], marker="o",
-                        color=color, capsize=2, label=label)
+        ax_lat.errorbar(
+            seq,
+            med,
+            yerr=[np.clip(med - lo, 0, None), np.clip(hi - med, 0, None)],
+            marker="o",
+            color=color,
+            capsize=2,
+            label=label,
+        )
         oom_x += [(color, s) for s, good, r in zip(seq, ok, rs, strict=True) if not good and r.status == "oom"]
     for ax in (ax_mem, ax_lat):
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1024:g}k" if v >= 1024 else f"{v:g}"))
         ax.set_xlabel("sequence length (prefix + q tokens)")
         ax.grid(alpha=0.3, which="both")
         if any(np.isfinite(np.asarray(ln.get_ydata(), dtype=float)).any() for ln in ax.lines):
             ax.set_yscale("log")
         for i, (color, s) in enumerate(oom_x):
-            ax.plot([s], [0.95], marker="x", markersize=9, mew=2, color=color, linestyle="none",
-                    transform=ax.get_xaxis_transform(), label="OOM" if i == 0 else None)
+            ax.plot(
+                [s],
+                [0.95],
+                marker="x",
+                markersize=9,
+                mew=2,
+                color=color,
+                linestyle="none",
+                transform=ax.get_xaxis_transform(),
+                label="OOM" if i == 0 else None,
+            )
         ax.legend(fontsize=7)
     ax_mem.set_ylabel("peak memory (GiB" + (", predicted where unmeasured)" if predicted else ")"))
     ax_lat.set_ylabel("median latency (ms, p10-p90)")
@@ -240,8 +274,9 @@ def nvtx_ranges(series: Mapping[str, Mapping[str, RangeStats]], top: int = 15, t
     """Mean time per NVTX range, one bar per series (host solid, device hatched), the `top` slowest ranges."""
     fig, (ax,) = new_figure(1)
     first = next(iter(series.values()), {})
-    names = sorted({n for s in series.values() for n in s},
-                   key=lambda n: -(first[n].host_total_ms if n in first else 0.0))[:top]
+    names = sorted(
+        {n for s in series.values() for n in s}, key=lambda n: -(first[n].host_total_ms if n in first else 0.0)
+    )[:top]
     y = np.arange(len(names))[::-1]
     k = max(1, len(series))
     h = 0.8 / k
@@ -249,11 +284,19 @@ def nvtx_ranges(series: Mapping[str, Mapping[str, RangeStats]], top: int = 15, t
         pos = y + 0.4 - h * (i + 0.5)
         host = [ranges[n].host_mean_ms if n in ranges else np.nan for n in names]
         bars = ax.barh(pos, host, h * 0.9, label=f"{label} host")
-        dev = [ranges[n].device_mean_ms if n in ranges and ranges[n].device_mean_ms is not None else np.nan
-               for n in names]
+        dev = [
+            ranges[n].device_mean_ms if n in ranges and ranges[n].device_mean_ms is not None else np.nan for n in names
+        ]
         if np.isfinite(np.asarray(dev, dtype=float)).any():
-            ax.barh(pos, dev, h * 0.45, color="none", hatch="///",
-                    edgecolor=bars.patches[0].get_facecolor() if bars.patches else "k", label=f"{label} device")
+            ax.barh(
+                pos,
+                dev,
+                h * 0.45,
+                color="none",
+                hatch="///",
+                edgecolor=bars.patches[0].get_facecolor() if bars.patches else "k",
+                label=f"{label} device",
+            )
     ax.set_yticks(y, names, fontsize=7)
     ax.set_xlabel("mean time per call (ms)")
     ax.set_ylabel("NVTX range")

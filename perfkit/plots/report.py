@@ -24,11 +24,13 @@ def _mean_ranges(reps: list[ScenarioResult]) -> dict[str, RangeStats]:
     for name in dict.fromkeys(n for s in reps for n in s.nvtx):
         rs = [s.nvtx[name] for s in reps if name in s.nvtx]
         dev = [r.device_mean_ms for r in rs if r.device_mean_ms is not None]
-        out[name] = rs[0].model_copy(update={
-            "host_mean_ms": float(np.mean([r.host_mean_ms for r in rs])),
-            "host_total_ms": float(np.mean([r.host_total_ms for r in rs])),
-            "device_mean_ms": float(np.mean(dev)) if dev else None,
-        })
+        out[name] = rs[0].model_copy(
+            update={
+                "host_mean_ms": float(np.mean([r.host_mean_ms for r in rs])),
+                "host_total_ms": float(np.mean([r.host_total_ms for r in rs])),
+                "device_mean_ms": float(np.mean(dev)) if dev else None,
+            }
+        )
     return out
 
 
@@ -66,11 +68,15 @@ def plot_results(paths: Sequence[str | Path], out_dir: str | Path) -> list[Path]
         cdf = {label: rq for label, _, _, rq in mine if rq}
         if cdf:
             written.append(F.save(F.latency_cdf(cdf, title=f"{scen}: TTFT and TPOT"), out / f"{_slug(scen)}_cdf.png"))
-        mem = {label: reps[0].memory for label, _, reps, _ in mine
-               if reps[0].memory is not None and reps[0].memory.available and reps[0].memory.phases}
+        mem = {
+            label: reps[0].memory
+            for label, _, reps, _ in mine
+            if reps[0].memory is not None and reps[0].memory.available and reps[0].memory.phases
+        }
         if mem:
-            written.append(F.save(F.memory_by_phase(mem, title=f"{scen}: peak memory by phase"),
-                                  out / f"{_slug(scen)}_memory.png"))
+            written.append(
+                F.save(F.memory_by_phase(mem, title=f"{scen}: peak memory by phase"), out / f"{_slug(scen)}_memory.png")
+            )
         nv = {label: _mean_ranges(reps) for label, _, reps, _ in mine if any(s.nvtx for s in reps)}
         if nv:
             written.append(F.save(F.nvtx_ranges(nv, title=f"{scen}: NVTX range time"), out / f"{_slug(scen)}_nvtx.png"))

@@ -1,0 +1,287 @@
+"""perfkit.compare: alignment, verdicts, comparability warnings, --fail-if, Markdown golden files, CLI."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from factories import GIB, ab_run, config, provenance, requests_for, scenario_from_requests, write_run
+from typer.testing import CliRunner
+
+from perfkit import compare as cmp
+from perfkit.errors import PerfkitError
+
+GOLDEN = Path(__file__).parent / "golden"
+UPDATE = os.environ.get("PERFKIT_UPDATE_GOLDEN") == "1"
+
+
+def _fixed(n: int, base: float, step: float, mod: int) -> np.ndarray:
+    """Deterministic spread of values without an RNG: base + step * ((7 i) mod `mod`)."""
+    return base + step * ((7 * np.arange(n)) % mod)
+
+
+def _single_run(tmp: Path, name: str, scale: float, prov: dict, hash_: str = "w0", arm: str = "default") -> Path:
+    scen, reqs = [], []
+    for sname, ttft0, tpot0 in (("decode", 40.0, 8.0), ("prefill", 300.0, 9.0)):
+        r = requests_for(sname, arm, 0, _fixed(40, ttft0 * scale, 1.5, 11), _fixed(40, tpot0 * scale, 0.1, 13))
+        reqs += r
+        scen.append(
+            scenario_from_requests(
+                sname,
+                arm,
+                0,
+                r,
+                workload_hash=hash_,
+                memory={"prefill": (int(30 * GIB * scale), 32 * GIB), "decode": (int(24 * GIB * scale), 32 * GIB)},
+                nvtx={"forward": (6.0 * scale, 5.5 * scale), "sample": (0.4, None)},
+            )
+        )
+    return write_run(tmp / name, scen, reqs, prov=prov, run_id=name)
+
+
+def _interleaved_run(tmp: Path) -> Path:
+    """3 interleaved repeats of A (triton) and B (dense); B is ~8 % slower with repeat-level drift."""
+    scen, reqs = [], []
+    drift = [1.0, 1.03, 0.98]
+    for rep in range(3):
+        for arm, scale in (("triton", 1.0), ("dense", 1.08)):
+            s = scale * drift[rep]
+            r = requests_for(
+                "decode",
+                arm,
+                rep,
+                _fixed(30, 40.0 * s, 1.0, 13) + rep,
+                _fixed(30, 8.0 * s, 0.05, 9),
+                t0_ns=rep * 10**10,
+            )
+            reqs += r
+            scen.append(
+                scenario_from_requests(
+                    "decode",
+                    arm,
+                    rep,
+                    r,
+                    memory={"decode": (int(24 * GIB * scale), 32 * GIB)},
+                    nvtx={"forward": (6.0 * s, 5.5 * s)},
+                )
+            )
+    return write_run(tmp / "ab", scen, reqs, prov=provenance(sha="fedcba9876"))
+
+
+def _golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if UPDATE or not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert text == path.read_text(), f"{name} changed; rerun with PERFKIT_UPDATE_GOLDEN=1 if intended"
+
+
+# ------------------------------------------------------------------------------------------------ golden
+
+
+def test_markdown_golden_two_files(tmp_path):
+    a = _single_run(tmp_path, "run-a", 1.0, provenance(sha="abc1234def"))
+    b = _single_run(
+        tmp_path, "run-b", 1.1, provenance(sha="0123456789", dirty=True, driver="575.51.03", torch="2.12.0"), hash_="w1"
+    )
+    report = cmp.compare(a, b)
+    md = cmp.to_markdown(report, images=[("decode delta", "plots/decode_delta.png")])
+    _golden("compare_two_files.md", md)
+    assert "GPU: NVIDIA H200 (driver 570.86.15) → NVIDIA H200 (driver 575.51.03)" in md
+    assert "within-run only" in md and "| TPOT p50 (ms) |" in md
+
+
+def test_markdown_golden_interleaved(tmp_path):
+    report = cmp.compare(_interleaved_run(tmp_path))
+    md = cmp.to_markdown(report)
+    _golden("compare_interleaved.md", md)
+    assert "paired t-interval over 3 interleaved repeats per arm" in md
+    c = report.comparisons[0]
+    assert (c.a.arm, c.b.arm) == ("triton", "dense")
+    assert all(r.method == "paired-t" for r in c.rows)
+    assert c.row("tpot_ms.p50").verdict == "worse"
+    assert c.row("output_tok_s").verdict == "worse"
+    assert c.row("memory.decode.peak_allocated_bytes").delta_pct == pytest.approx(8.0, abs=0.01)
+
+
+# -------------------------------------------------------------------------------------- verdicts/alignment
+
+
+def test_shift_detected_and_directions(tmp_path):
+    report = cmp.compare(ab_run(tmp_path / "r", repeats=1, n=200, shift=-0.10, seed=1))
+    c = report.comparisons[0]
+    assert c.row("tpot_ms.p50").verdict == "better"  # latency down = better
+    assert c.row("tpot_ms.mean").within_run_only
+    assert c.row("itl_ms.p50").method == "cluster-bootstrap"
+    assert c.row("output_tok_s").verdict == "n/a"  # one run per arm: no CI for a per-run scalar
+    report = cmp.compare(ab_run(tmp_path / "r5", repeats=5, n=100, shift=-0.10, seed=2))
+    c = report.comparisons[0]
+    assert c.row("tpot_ms.p50").verdict == "better"
+    assert c.row("output_tok_s").verdict == "better"  # throughput up = better
+    assert c.row("memory.decode.peak_allocated_bytes").verdict == "better"
+
+
+def test_aa_runs_rarely_flag_anything(tmp_path):
+    """End-to-end A/A through files: 20 interleaved runs of 5 repeats; rows are correlated (all throughputs
+    derive from one duration), so count the rate over (run, row) pairs."""
+    flagged, total = 0, 0
+    for seed in range(20):
+        rows = cmp.compare(ab_run(tmp_path / f"aa{seed}", repeats=5, n=50, shift=0.0, seed=seed)).comparisons[0].rows
+        rows = [r for r in rows if not r.metric.startswith(("memory.", "nvtx."))]  # identical by construction
+        flagged += sum(r.verdict in ("better", "worse") for r in rows)
+        total += len(rows)
+    assert flagged / total <= 0.08, flagged / total
+
+
+def test_metrics_selection_and_unknown_metric(tmp_path):
+    p = ab_run(tmp_path / "r", repeats=1, n=30)
+    rows = cmp.compare(p, metrics=["tpot_ms", "output_tok_s", "ttft_ms.p9*"]).comparisons[0].rows
+    assert [r.metric for r in rows] == [
+        "ttft_ms.p90",
+        "ttft_ms.p95",
+        "ttft_ms.p99",
+        "tpot_ms.mean",
+        "tpot_ms.p50",
+        "tpot_ms.p90",
+        "tpot_ms.p95",
+        "tpot_ms.p99",
+        "output_tok_s",
+    ]
+    with pytest.raises(PerfkitError, match="unknown metric"):
+        cmp.validate_metric("tpot.p50")
+
+
+def test_single_arm_file_needs_a_second_file(tmp_path):
+    p = _single_run(tmp_path, "one", 1.0, provenance())
+    with pytest.raises(PerfkitError, match="one arm"):
+        cmp.compare(p)
+    with pytest.raises(PerfkitError, match="not found"):
+        cmp.compare(tmp_path / "missing.json", p)
+
+
+def test_failed_repeats_are_left_out_with_a_warning(tmp_path):
+    r = requests_for("decode", "a", 0, _fixed(10, 40, 1, 5), _fixed(10, 8, 0.1, 5))
+    rb = requests_for("decode", "b", 0, _fixed(10, 44, 1, 5), _fixed(10, 9, 0.1, 5))
+    scen = [
+        scenario_from_requests("decode", "a", 0, r),
+        scenario_from_requests("decode", "b", 0, rb),
+        scenario_from_requests("decode", "b", 1, rb, status="oom"),
+    ]
+    report = cmp.compare(write_run(tmp_path / "x", scen, r + rb))
+    assert any("repeat 1 is oom" in w for w in report.warnings)
+
+
+# ---------------------------------------------------------------------------------------- comparability
+
+
+def test_comparability_warnings(tmp_path):
+    a = _single_run(tmp_path, "a", 1.0, provenance())
+    same = _single_run(tmp_path, "same", 1.0, provenance(sha="9999999999"))
+    assert cmp.compare(a, same).warnings == []  # another commit alone is the point of an A/B, not a warning
+    b = _single_run(
+        tmp_path, "b", 1.0, provenance(gpu="NVIDIA B200", driver="580.1", dirty=True, torch="2.12.0"), hash_="w9"
+    )
+    w = " | ".join(cmp.compare(a, b).warnings)
+    for needle in (
+        "GPU differs: A NVIDIA H200, B NVIDIA B200",
+        "driver differs",
+        "torch 2.11.0 → 2.12.0",
+        "B ran from a dirty git tree",
+        "decode: workload differs",
+    ):
+        assert needle in w, needle
+    cpu = provenance()
+    cpu["gpu"] = {"available": False, "reason": "no CUDA GPU"}
+    c = _single_run(tmp_path, "c", 1.0, cpu)
+    assert any("GPU availability differs" in x for x in cmp.compare(a, c).warnings)
+    q = write_run(tmp_path / "q", [], [], cfg=config(quant="nvfp4"))
+    qa = cmp.load(q)
+    qa.result.scenarios = cmp.load(a).result.scenarios
+    rep = cmp.compare_loaded(cmp.load(a), qa)
+    assert any("model.quant differs" in x for x in rep.warnings)
+
+
+def test_tolerates_missing_provenance_keys(tmp_path):
+    a = _single_run(tmp_path, "a", 1.0, {})
+    b = _single_run(tmp_path, "b", 1.0, {"gpu": {"name": "X"}})
+    rep = cmp.compare(a, b)
+    assert "commit: `?`" in rep.provenance_line
+
+
+# ---------------------------------------------------------------------------------------------- --fail-if
+
+
+def test_threshold_parsing_and_semantics():
+    t = cmp.parse_threshold("tpot_ms.p50:+5%")
+    assert (t.metric, t.pct) == ("tpot_ms.p50", 5.0)
+    assert t.crossed(6.0) and not t.crossed(4.9) and not t.crossed(-20.0)
+    t = cmp.parse_threshold("output_tok_s:-3%")
+    assert t.crossed(-3.5) and not t.crossed(-2.0) and not t.crossed(10.0)
+    assert cmp.parse_threshold("output_tok_s:3%").pct == -3.0  # unsigned = the bad direction
+    t = cmp.parse_threshold("tpot_ms.p50:-5%")  # demands an improvement of at least 5 %
+    assert t.crossed(-4.0) and not t.crossed(-6.0)
+    for bad in ("tpot_ms.p50", "tpot_ms.p50:5", "tpot_ms.p50:+x%", ":5%"):
+        with pytest.raises(PerfkitError, match="expected METRIC"):
+            cmp.parse_threshold(bad)
+    with pytest.raises(PerfkitError, match="unknown metric"):
+        cmp.parse_threshold("tpot.p50:+5%")
+
+
+def test_check_thresholds(tmp_path):
+    report = cmp.compare(ab_run(tmp_path / "r", repeats=3, n=60, shift=0.10), extra_metrics=["queue_ms.p50"])
+    assert cmp.check_thresholds(report, [cmp.parse_threshold("tpot_ms.p50:+20%")]) == []
+    fails = cmp.check_thresholds(report, [cmp.parse_threshold("tpot_ms.p50:+5%")])
+    assert len(fails) == 1 and "tpot_ms.p50 +" in fails[0]
+    with pytest.raises(PerfkitError, match="not in the compared results"):
+        cmp.check_thresholds(report, [cmp.parse_threshold("nvtx.nope.host_mean_ms:+5%")])
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+
+def _cli():
+    from perfkit.cli import app
+
+    return app
+
+
+def test_cli_compare_exit_codes_and_outputs(tmp_path):
+    app = _cli()
+    runner = CliRunner()
+    p = ab_run(tmp_path / "r", repeats=3, n=60, shift=0.10)
+    md = tmp_path / "pr" / "compare.md"
+    res = runner.invoke(
+        app,
+        [
+            "compare",
+            str(p),
+            "--markdown",
+            str(md),
+            "--plots",
+            str(tmp_path / "pr" / "plots"),
+            "--fail-if",
+            "tpot_ms.p50:+5%",
+        ],
+    )
+    assert res.exit_code == 1, res.output
+    assert "FAIL:" in res.output and "tpot_ms.p50" in res.output
+    text = md.read_text()
+    assert "| TPOT p50 (ms) |" in text and "](plots/" in text
+    assert (tmp_path / "pr" / "plots" / "decode_dense_vs_triton_delta.png").is_file()
+    res = runner.invoke(app, ["compare", str(p), "--fail-if", "tpot_ms.p50:+50%", "--metrics", "tpot_ms"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["compare", str(p), "--fail-if", "tpot_ms.p50:fast"])
+    assert res.exit_code == 2 and "expected METRIC" in res.output
+    res = runner.invoke(app, ["compare", str(p), "--fail-if", "tpot.p50:+5%"])
+    assert res.exit_code == 2 and "unknown metric" in res.output
+    res = runner.invoke(app, ["compare", str(tmp_path / "nope.json")])
+    assert res.exit_code == 2 and "not found" in res.output
+
+
+def test_cli_plot(tmp_path):
+    p = ab_run(tmp_path / "r", repeats=1, n=20)
+    res = CliRunner().invoke(_cli(), ["plot", str(p), "--out", str(tmp_path / "figs")])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "figs" / "decode_cdf.png").is_file()
