@@ -316,6 +316,78 @@ def kernels_mask(
 
 
 # --------------------------------------------------------------------------------------------------------------
+# perfkit compare / plot
+# --------------------------------------------------------------------------------------------------------------
+
+
+@app.command()
+@_guard
+def compare(
+    a: Annotated[Path, typer.Argument(help="result.json (or its run directory): A, or an interleaved A/B run")],
+    b: Annotated[Optional[Path], typer.Argument(help="result.json of B; omitted = compare the arms inside A")] = None,
+    markdown: Annotated[Optional[Path], typer.Option("--markdown", help="write a PR-ready Markdown table here")] = None,
+    plots: Annotated[Optional[Path], typer.Option("--plots", help="write PNG figures into this directory")] = None,
+    metrics: Annotated[
+        Optional[list[str]],
+        typer.Option("--metrics", help="rows to show: metric paths, dotted prefixes or globs (repeatable, or a,b)"),
+    ] = None,
+    fail_if: Annotated[
+        Optional[list[str]],
+        typer.Option("--fail-if", help="gate: METRIC:[+|-]PCT%, e.g. tpot_ms.p50:+5% (exit 1 when crossed)"),
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="bootstrap seed")] = 0,
+) -> None:
+    """A/B compare: A, B, delta % with a 95% CI and a verdict per metric; exit 1 when a --fail-if gate trips."""
+    import os
+
+    from perfkit.compare import check_thresholds, parse_threshold, render_rich, to_markdown
+    from perfkit.compare import compare as run_compare
+
+    patterns = [p.strip() for m in metrics or [] for p in m.split(",") if p.strip()]
+    thresholds = [parse_threshold(t) for t in fail_if or []]
+    report = run_compare(a, b, patterns or None, seed=seed, extra_metrics=[t.metric for t in thresholds])
+    con = _console()
+    render_rich(report, con)
+    images: list[tuple[str, str]] = []
+    if plots is not None:
+        from perfkit.plots import plot_results, write_delta_plots
+
+        written = write_delta_plots(report, plots)
+        written += [(p.stem.replace("_", " "), p) for p in plot_results([a] + ([b] if b else []), plots)
+                    if not p.name.endswith("_delta.png")]
+        base = markdown.parent if markdown is not None else Path.cwd()
+        images = [(title, os.path.relpath(p, base)) for title, p in written]
+        con.print(f"plots: {len(written)} PNGs in {plots}")
+    if markdown is not None:
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        markdown.write_text(to_markdown(report, images))
+        con.print(f"markdown: {markdown}")
+    failures = check_thresholds(report, thresholds)
+    for f in failures:
+        typer.echo(f"FAIL: {f}", err=True)
+    if failures:
+        raise typer.Exit(1)
+
+
+@app.command()
+@_guard
+def plot(
+    results: Annotated[list[Path], typer.Argument(help="result.json files (or run directories)")],
+    out: Annotated[Optional[Path], typer.Option("--out", help="output directory (default: beside the first result)")] = None,
+) -> None:
+    """Draw the figures that fit the given results (CDFs, deltas, throughput-latency, memory, NVTX, mask sweep)."""
+    from perfkit.plots import plot_results
+
+    first = results[0] if results[0].is_dir() else results[0].parent
+    paths = plot_results(results, out or first)
+    con = _console()
+    for p in paths:
+        con.print(str(p))
+    if not paths:
+        con.print("nothing to plot in these results")
+
+
+# --------------------------------------------------------------------------------------------------------------
 # perfkit generate
 # --------------------------------------------------------------------------------------------------------------
 
