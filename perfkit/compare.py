@@ -26,7 +26,7 @@ from perfkit import stats as st
 from perfkit.errors import PerfkitError
 from perfkit.results import Result, ScenarioResult, read_requests, read_result
 
-DIST_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "queue_ms")
+DIST_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "queue_ms", "per_user_tok_s")
 DEFAULT_DIST = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 DEFAULT_STATS = ("p50", "p90", "p99", "mean")
 THROUGHPUTS = ("output_tok_s", "total_tok_s", "request_s", "goodput_request_s")
@@ -34,13 +34,13 @@ MEMORY_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes")
 NVTX_FIELDS = tuple(f"{w}_{s}_ms" for w in ("host", "device") for s in ("mean", "p50", "p99", "total"))
 
 _METRIC_RE = re.compile(
-    r"^(?:(?P<dist>ttft_ms|tpot_ms|itl_ms|e2el_ms|queue_ms)\.(?P<stat>mean|p50|p90|p95|p99)"
+    r"^(?:(?P<dist>ttft_ms|tpot_ms|itl_ms|e2el_ms|queue_ms|per_user_tok_s)\.(?P<stat>mean|p50|p90|p95|p99)"
     r"|(?P<tp>output_tok_s|total_tok_s|request_s|goodput_request_s)"
     r"|memory\.(?P<phase>[^.]+)\.(?P<mem>peak_allocated_bytes|peak_reserved_bytes)"
     r"|nvtx\.(?P<range>.+)\.(?P<nv>(?:host|device)_(?:mean|p50|p99|total)_ms))$"
 )
 METRIC_FORMS = (
-    "<ttft|tpot|itl|e2el|queue>_ms.<mean|p50|p90|p95|p99>, output_tok_s, total_tok_s, request_s, "
+    "<ttft|tpot|itl|e2el|queue>_ms.<mean|p50|p90|p95|p99>, per_user_tok_s.<stat>, output_tok_s, total_tok_s, request_s, "
     "goodput_request_s, memory.<phase>.<peak_allocated_bytes|peak_reserved_bytes>, "
     "nvtx.<range>.<host|device>_<mean|p50|p99|total>_ms"
 )
@@ -154,6 +154,8 @@ def validate_metric(path: str) -> re.Match[str]:
 def metric_label(path: str) -> tuple[str, str]:
     """(display label, unit) of a metric path."""
     m = validate_metric(path)
+    if m["dist"] == "per_user_tok_s":
+        return f"per-user {m['stat']}", "tok/s"
     if m["dist"]:
         return f"{m['dist'][:-3].upper()} {m['stat']}", "ms"
     if m["tp"]:
@@ -413,6 +415,9 @@ def provenance_line(a: Loaded, b: Loaded) -> str:
 
 
 def _request_values(side: Side, dist: str) -> np.ndarray:
+    if dist == "per_user_tok_s":
+        t = [r.get("tpot_ms") for r in side.requests]
+        return np.asarray([1000.0 / x for x in t if x is not None and x > 0], dtype=float)
     v = [r.get(dist) for r in side.requests]
     return np.asarray([x for x in v if x is not None], dtype=float)
 

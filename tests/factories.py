@@ -114,6 +114,7 @@ def scenario_from_requests(
             "itl_ms": summarize(itl),
             "e2el_ms": summarize(e2el),
             "queue_ms": summarize([0.0] * len(reqs)),
+            "per_user_tok_s": summarize([1000.0 / t for t in tpot]),
         },
         throughput=Throughput(output_tok_s=n_out / dur, total_tok_s=(n_out + n_in) / dur, request_s=len(reqs) / dur),
         memory=MemorySection(

@@ -116,6 +116,8 @@ def test_shift_detected_and_directions(tmp_path):
     assert c.row("tpot_ms.mean").within_run_only
     assert c.row("itl_ms.p50").method == "cluster-bootstrap"
     assert c.row("output_tok_s").verdict == "n/a"  # one run per arm: no CI for a per-run scalar
+    pu = cmp.compare(tmp_path / "r" / "result.json", metrics=["per_user_tok_s.p50"]).comparisons[0].rows
+    assert [(r.metric, r.unit, r.verdict) for r in pu] == [("per_user_tok_s.p50", "tok/s", "better")]
     report = cmp.compare(ab_run(tmp_path / "r5", repeats=5, n=100, shift=-0.10, seed=2))
     c = report.comparisons[0]
     assert c.row("tpot_ms.p50").verdict == "better"
