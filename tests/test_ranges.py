@@ -45,7 +45,7 @@ class FakeEvent:
         self.t: int | None = None
         self.log = log
 
-    def record(self) -> None:
+    def record(self, stream: object = None) -> None:
         self.t = self.clock.t
         self.log.append("record")
 
@@ -233,3 +233,22 @@ def test_device_ranges_filter():
     s = rec.summary()
     assert s["layer_000"].count == 1 and s["layer_000"].device_total_ms is None
     assert s["forward_decode"].device_total_ms == pytest.approx(1.0)
+
+
+def test_device_every_samples_events():
+    clock, log = FakeClock(), []
+    rec = RangeRecorder(
+        clock=clock,
+        nvtx_domain=FakeDomain(),
+        device_timing=True,
+        device_every=4,
+        event_factory=lambda: FakeEvent(clock, log),
+        synchronize=lambda: None,
+    )
+    for i in range(10):
+        with rec.range("forward_decode"):
+            clock.advance_ms(i)
+    assert log.count("record") == 6  # occurrences 0, 4, 8
+    s = rec.summary()["forward_decode"]
+    assert s.count == 10 and s.host_total_ms == pytest.approx(45.0)
+    assert s.device_total_ms == pytest.approx(0 + 4 + 8)
