@@ -167,14 +167,15 @@ class ScenarioResult(BaseModel):
 
 
 class KernelRow(BaseModel):
-    """One (kernel, shape, impl) measurement of a kernel sweep."""
+    """One (kernel, shape, impl) measurement of a kernel sweep. `skipped`: not attempted (e.g. on a CPU, a shape
+    whose predicted peak exceeds the memory budget)."""
 
     model_config = ConfigDict(extra="allow")
 
     kernel: str
     impl: str
     shape: dict[str, Any]
-    status: Literal["ok", "oom", "error"] = "ok"
+    status: Literal["ok", "oom", "error", "skipped"] = "ok"
     message: str | None = None
     peak_allocated_bytes: int | None = None
     output_bytes: int | None = None
