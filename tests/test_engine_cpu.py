@@ -44,8 +44,16 @@ def run_staggered(engine: Engine, prompts, max_new, arrivals, **kw):
 
 
 def cpu_engine(model, cfg, **over) -> Engine:
-    kw = dict(attention="torch", page_size=4, max_batch_size=8, max_num_tokens=24, num_kv_pages=200,
-              cuda_graphs=False, mask="dense", max_model_len=512)
+    kw = dict(
+        attention="torch",
+        page_size=4,
+        max_batch_size=8,
+        max_num_tokens=24,
+        num_kv_pages=200,
+        cuda_graphs=False,
+        mask="dense",
+        max_model_len=512,
+    )
     kw.update(over)
     return Engine(model, cfg, EngineConfig(**kw))
 

@@ -109,8 +109,9 @@ class PinnedStaging:
             self.__init__(2 * n, self.dev.dtype, self.device)
         k = self.k
         self.k ^= 1
-        if self.events[k] is not None and self.recorded[k]:
-            self.events[k].synchronize()  # the copy that last read host[k] has run
+        ev = self.events[k]
+        if ev is not None and self.recorded[k] and not ev.query():
+            ev.synchronize()  # the copy that last read host[k] has not run yet: wait before rewriting it
         self.host[k].numpy()[:n] = arr
         out = self.dev[:n]
         out.copy_(self.host[k][:n], non_blocking=True)
@@ -136,7 +137,9 @@ class HostPageTableBuilder:
         self.bm = bm
         self.ps = bm.page_size
         self.device = torch.device(device)
-        self.idx_stage = {p: PinnedStaging(n + max_batch_size, torch.int32, self.device) for p, n in bm.capacity.items()}
+        self.idx_stage = {
+            p: PinnedStaging(n + max_batch_size, torch.int32, self.device) for p, n in bm.capacity.items()
+        }
         self.slot_stage = {p: PinnedStaging(2 * max_tokens, torch.int64, self.device) for p in bm.capacity}
 
     def build(self, state: BatchState, pad_to: int | None = None) -> dict[str, PoolTable]:

@@ -250,9 +250,7 @@ class Scheduler:
             req.token_ids.append(tok)
             req.token_type_ids.append(0)
             req.output_ids.append(tok)
-            finished = len(req.output_ids) >= req.max_new_tokens or (
-                not req.ignore_eos and tok in req.eos_token_ids
-            )
+            finished = len(req.output_ids) >= req.max_new_tokens or (not req.ignore_eos and tok in req.eos_token_ids)
             if finished:
                 req.status = Status.FINISHED
                 self.bm.free(req.request_id)

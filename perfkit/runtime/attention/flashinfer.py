@@ -1,0 +1,150 @@
+"""FlashInfer attention backend (GPU, flashinfer-python 0.7.2.post1; see shared/reference/flashinfer.md).
+
+Per pool (sliding hd256 + window, full hd512): one BatchPrefillWithPagedKVCacheWrapper (no custom mask, backend
+"auto": FA3 may be picked for hd256), one for custom masks (sliding pool, FA2 pinned, since a wrapper keeps the
+backend it resolved on its first plan), one BatchDecodeWithPagedKVCacheWrapper, and per captured CUDA-graph
+batch size one graph-mode decode wrapper with persistent index buffers. All share one float workspace (the
+wrappers run one after another on one stream).
+
+Mixed batches: the scheduler puts decodes first, so the decode wrapper runs on q[:num_decodes] and the prefill
+wrapper on the rest. Why split instead of planning everything as prefill: the decode path is then the same
+kernel in mixed, pure-decode and graph-replayed steps (one numerical path per request phase), and the prefill
+wrapper, which may need a custom mask (FA2) or runs FA3, never sees the B decode rows.
+
+plan() runs once per step (in `set_metadata`, outside any graph) with CPU indptr / last_page_len and DEVICE
+indices. A CUDA event after each plan guards the wrapper's pinned host buffer: the next plan of the same
+wrapper waits for it (flashinfer.md §5.2 hazard). `sm_scale=1.0`, `window_left = W - 1` on sliding layers.
+Custom masks are passed unpacked (`custom_mask=`): plan() packs them with segment_packbits and uses the packed
+byte offsets. Passing `packed_custom_mask=` instead would pair the packed bits with the *unpacked* bit offsets
+that plan computes from qo/kv lengths (wrong for every request but the first).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from perfkit.errors import PerfkitError
+from perfkit.runtime.attention.base import AttnLayer
+from perfkit.runtime.attention.torch_paged import write_kv
+from perfkit.runtime.kv_cache import SLIDING_POOL, PagedKVCache
+from perfkit.runtime.page_table import AttentionMetadata
+
+
+def default_use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
+    """flashinfer.md §2.5 rule of thumb: tensor-core decode when the GQA group is >= 4."""
+    return num_heads // num_kv_heads >= 4
+
+
+class FlashInferBackend:
+    name = "flashinfer"
+    supports_cuda_graphs = True
+
+    def __init__(
+        self,
+        kv_cache: PagedKVCache,
+        workspace_bytes: int = 256 << 20,
+        decode_use_tensor_cores: bool | None = None,
+        q_dtype: torch.dtype = torch.bfloat16,
+        prefill_backend: str = "auto",
+    ):
+        try:
+            import flashinfer
+        except ImportError as e:
+            raise PerfkitError(
+                "attention=flashinfer needs flashinfer-python==0.7.2.post1 (pip install 'perfkit[gpu]'); "
+                "use attention=torch on machines without it"
+            ) from e
+        if kv_cache.device.type != "cuda":
+            raise PerfkitError("attention=flashinfer needs a CUDA device; use attention=torch")
+        self.fi = flashinfer
+        self.kv = kv_cache
+        self.device = kv_cache.device
+        self.q_dtype = q_dtype
+        self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self.tensor_cores = {
+            p: default_use_tensor_cores(s.num_heads, s.num_kv_heads)
+            if decode_use_tensor_cores is None
+            else decode_use_tensor_cores
+            for p, s in kv_cache.specs.items()
+        }
+        self.prefill = {p: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                                           backend=prefill_backend)
+                        for p in kv_cache.specs}  # fmt: skip
+        self.prefill_masked = {SLIDING_POOL: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2")} if SLIDING_POOL in kv_cache.specs else {}  # fmt: skip
+        self.decode = {p: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                                         use_tensor_cores=self.tensor_cores[p])
+                       for p in kv_cache.specs}  # fmt: skip
+        self.graph_decode: dict[int, dict] = {}  # batch size -> pool -> wrapper (use_cuda_graph=True)
+        self._events: dict[int, torch.cuda.Event] = {}
+        self.meta: AttentionMetadata | None = None
+        self._active: dict[str, tuple] = {}  # pool -> (decode wrapper | None, prefill wrapper | None)
+
+    # ---- CUDA graph wrappers ---------------------------------------------------------------------------------
+    def make_graph_wrappers(self, batch_size: int) -> None:
+        if batch_size in self.graph_decode:
+            return
+        wrappers = {}
+        for p in self.kv.specs:
+            wrappers[p] = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores[p],
+                paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=self.device),
+                paged_kv_indices_buffer=torch.zeros(self.kv.num_pages[p] + batch_size, dtype=torch.int32,
+                                                    device=self.device),
+                paged_kv_last_page_len_buffer=torch.zeros(batch_size, dtype=torch.int32, device=self.device),
+            )  # fmt: skip
+        self.graph_decode[batch_size] = wrappers
+
+    # ---- per-step planning -----------------------------------------------------------------------------------
+    def _plan(self, wrapper, fn, *args, **kw) -> None:
+        ev = self._events.get(id(wrapper))
+        if ev is not None and not ev.query():
+            ev.synchronize()  # the H2D copy of this wrapper's previous plan has run: its pinned buffer is free
+        fn(*args, **kw)
+        ev = self._events.setdefault(id(wrapper), torch.cuda.Event())
+        ev.record()
+
+    def set_metadata(self, meta: AttentionMetadata) -> None:
+        """Plan every wrapper the step uses (outside CUDA graphs; before every replay)."""
+        self.meta = meta
+        nd, b = meta.num_decodes, meta.batch_size
+        kv_dtype = self.kv.dtype
+        self._active = {}
+        for pool, pt in meta.pools.items():
+            spec = self.kv.specs[pool]
+            wl = spec.window - 1 if spec.window is not None else -1
+            common = dict(window_left=wl, sm_scale=1.0, q_data_type=self.q_dtype, kv_data_type=kv_dtype)
+            dec = pre = None
+            if nd:
+                dec = self.graph_decode[meta.graph_batch_size][pool] if meta.graph_batch_size else self.decode[pool]
+                nnz = int(pt.indptr[nd])
+                self._plan(dec, dec.plan, pt.indptr[: nd + 1], pt.indices[:nnz], pt.last_page_len[:nd],
+                           spec.num_heads, spec.num_kv_heads, spec.head_dim, self.kv.page_size,
+                           non_blocking=True, **common)  # fmt: skip
+            if b > nd:
+                masked = meta.custom_mask is not None and pool in self.prefill_masked
+                pre = self.prefill_masked[pool] if masked else self.prefill[pool]
+                start = int(pt.indptr[nd])
+                self._plan(pre, pre.plan, meta.qo_indptr[nd:] - meta.qo_indptr[nd], pt.indptr[nd:] - start,
+                           pt.indices[start:], pt.last_page_len[nd:], spec.num_heads, spec.num_kv_heads,
+                           spec.head_dim, self.kv.page_size, causal=True,
+                           custom_mask=meta.custom_mask if masked else None, non_blocking=True, **common)  # fmt: skip
+            self._active[pool] = (dec, pre)
+
+    # ---- attention -------------------------------------------------------------------------------------------
+    def attend(self, layer: AttnLayer, q: torch.Tensor, k, v) -> torch.Tensor:
+        meta = self.meta
+        cache = self.kv.layer_cache(layer.index)
+        pool = self.kv.pool_of(layer.index)
+        pt = meta.pools[pool]
+        if layer.writes_kv:
+            write_kv(cache, pt.slot_page, pt.slot_offset, k, v)
+        dec, pre = self._active[pool]
+        nd = meta.num_decodes
+        q = q.to(self.q_dtype)
+        out = torch.empty_like(q)
+        if dec is not None:
+            dec.run(q[:nd], cache, out=out[:nd])
+        if pre is not None:
+            pre.run(q[nd:], cache, out=out[nd:])
+        return out

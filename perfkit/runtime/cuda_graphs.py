@@ -1,0 +1,135 @@
+"""CUDA graphs for decode steps (FlashInfer backend).
+
+Batch sizes 1, 2, 4, 8, then every 16 up to max_batch_size (and max_batch_size itself). A decode step of B
+requests replays the smallest captured size >= B; the B..size-1 rows are dummy requests (one token at position
+0, kv length 1 on the reserved dummy page 0 of every pool, K/V written to that page). Each size has its own
+graph-mode decode wrapper set (flashinfer.md §6: the batch size is frozen per wrapper); `plan()` runs on the
+host before every replay (never inside the graph).
+
+What the graph holds: the decoder layers and the LM head. The embedding, PLE inputs and RoPE lookup run
+eagerly before the replay and write into static buffers: the model's `embed` builds a small CPU tensor per call
+(an H2D copy that cannot be captured) and `_rope` checks `positions.max()` on the host. RoPE tables are sized to
+max_model_len before capture; the tables used at capture are kept alive and a changed table disables replay.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from perfkit.runtime.page_table import AttentionMetadata, BatchState, HostPageTableBuilder
+
+log = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_batch_size: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_batch_size] + list(range(16, max_batch_size + 1, 16))
+    if max_batch_size not in sizes:
+        sizes.append(max_batch_size)
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(self, model, backend, kv_cache, block_manager, max_batch_size: int):
+        self.model = model
+        self.backend = backend
+        self.kv = kv_cache
+        self.sizes = graph_batch_sizes(max_batch_size)
+        self.max_bs = self.sizes[-1]
+        dev = model.device
+        cfg = model.cfg
+        n = self.max_bs
+        self.rope = model.rope  # tables the graphs read; kept alive
+        self.h = torch.zeros(n, cfg.hidden_size, dtype=model.dtype, device=dev)
+        self.ple = (
+            torch.zeros(n, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input, dtype=model.dtype, device=dev)
+            if cfg.has_ple
+            else None
+        )
+        self.cos_sin = {
+            s: tuple(torch.zeros(n, t.shape[1], dtype=t.dtype, device=dev) for t in self.rope.tables[s])
+            for s in self.rope.tables
+        }
+        self.slot_page = {p: torch.zeros(n, dtype=torch.long, device=dev) for p in kv_cache.specs}
+        self.slot_offset = {p: torch.zeros(n, dtype=torch.long, device=dev) for p in kv_cache.specs}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._dummy_tables = HostPageTableBuilder(block_manager, dev, max_tokens=n, max_batch_size=n)
+
+    def size_for(self, batch: int, max_kv_end: int) -> int | None:
+        """Captured size to replay for a pure-decode batch, or None (run eagerly)."""
+        if batch > self.max_bs or self.model.rope is not self.rope or max_kv_end > self.rope.max_positions:
+            return None
+        for s in self.sizes:
+            if s >= batch and s in self.graphs:
+                return s
+        return None
+
+    # ---- capture ---------------------------------------------------------------------------------------------
+    def _body(self, bs: int) -> torch.Tensor:
+        h = self.h[:bs]
+        for i, layer in enumerate(self.model.layers):
+            cs = self.cos_sin[layer.is_sliding]
+            h = layer(h, (cs[0][:bs], cs[1][:bs]), self.backend, None if self.ple is None else self.ple[:bs, i])
+        return self.model.logits(h)
+
+    def _static_meta(self, meta: AttentionMetadata, bs: int) -> AttentionMetadata:
+        pools = {}
+        for p, pt in meta.pools.items():
+            self.slot_page[p][:bs].copy_(pt.slot_page, non_blocking=True)
+            self.slot_offset[p][:bs].copy_(pt.slot_offset, non_blocking=True)
+            pools[p] = replace(pt, slot_page=self.slot_page[p][:bs], slot_offset=self.slot_offset[p][:bs])
+        return replace(meta, pools=pools)
+
+    def _prologue(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        bs = input_ids.shape[0]
+        h, text_ids = self.model.embed(input_ids)
+        self.h[:bs].copy_(h)
+        if self.ple is not None:
+            self.ple[:bs].copy_(self.model.per_layer_inputs(text_ids, h))
+        for s, (c, sn) in self.rope.tables.items():
+            self.cos_sin[s][0][:bs].copy_(c[positions])
+            self.cos_sin[s][1][:bs].copy_(sn[positions])
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        pool = None
+        empty = np.zeros(0, np.int64)
+        for bs in reversed(self.sizes):
+            self.backend.make_graph_wrappers(bs)
+            tables = self._dummy_tables.build(BatchState([], empty, empty), pad_to=bs)
+            meta = AttentionMetadata(
+                num_tokens=bs, num_decodes=bs, qo_indptr=torch.arange(bs + 1, dtype=torch.int32), pools=tables,
+                graph_batch_size=bs,
+            )  # fmt: skip
+            meta = self._static_meta(meta, bs)
+            zeros = torch.zeros(bs, dtype=torch.long, device=self.h.device)
+            self._prologue(zeros, zeros)
+            self.backend.set_metadata(meta)
+            try:
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self._body(bs)
+                torch.cuda.current_stream().wait_stream(stream)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self.logits[bs] = self._body(bs)
+            except RuntimeError as e:  # e.g. a model path with a host sync at this size (MoE sorted experts)
+                log.warning("decode graph for batch %d not captured (%s); that size runs eagerly", bs, e)
+                continue
+            pool = g.pool() if pool is None else pool
+            self.graphs[bs] = g
+        torch.cuda.synchronize()
+
+    # ---- replay ----------------------------------------------------------------------------------------------
+    def replay(self, inp) -> torch.Tensor:
+        bs = inp.meta.graph_batch_size
+        self._prologue(inp.input_ids, inp.positions)
+        self.backend.set_metadata(self._static_meta(inp.meta, bs))  # plan outside the graph, every replay
+        self.graphs[bs].replay()
+        return self.logits[bs]

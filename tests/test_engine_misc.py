@@ -1,0 +1,42 @@
+"""Small engine pieces on CPU: FlashInfer missing is a clear PerfkitError, toggles validation, KV sizing."""
+
+import pytest
+import torch
+
+from perfkit.errors import PerfkitError
+from perfkit.runtime.cuda_graphs import graph_batch_sizes
+from perfkit.runtime.engine import Engine, EngineConfig
+from perfkit.runtime.kv_cache import bytes_per_page, plan_kv_pages, pool_specs
+from perfkit.runtime.model_config import get_preset
+from perfkit.runtime.weights import build_model
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert graph_batch_sizes(3) == [1, 2, 3]
+
+
+def test_bytes_per_page_31b():
+    cfg = get_preset("31b")
+    specs = pool_specs(cfg.attn_layers())
+    # gemma4.md §2.7: sliding 16 KiB / token / layer x 50 layers, full 8 KiB x 10 layers (bf16, K+V)
+    assert bytes_per_page(specs["sliding"], 16, torch.bfloat16) == 16 * 16 * 1024 * 50
+    assert bytes_per_page(specs["full"], 16, torch.bfloat16) == 16 * 8 * 1024 * 10
+    plan = plan_kv_pages(100 << 30, 0.9, cfg, 16, torch.bfloat16, max_batch_size=64, max_num_tokens=8192)
+    assert plan.total_bytes <= 0.9 * (100 << 30)
+    assert plan.num_pages["sliding"] == 64 * (64 + 2) + 512 + 1  # capped at what the sliding pool can use
+    kv_shared = pool_specs(get_preset("e2b").attn_layers())
+    assert len(kv_shared["sliding"].cache_layers) == 12 and len(kv_shared["full"].cache_layers) == 3
+
+
+def test_flashinfer_missing_or_no_cuda_is_a_perfkit_error():
+    cfg = get_preset("tiny")
+    model = build_model(cfg, "cpu", torch.float32)
+    with pytest.raises(PerfkitError, match="flashinfer"):
+        Engine(model, cfg, EngineConfig(attention="flashinfer", num_kv_pages=64, page_size=4, max_model_len=256))
+    eng = Engine(model, cfg, EngineConfig(attention="torch", num_kv_pages=64, page_size=4, max_model_len=256))
+    with pytest.raises(PerfkitError, match="allowed"):
+        eng.set_toggle("page_table", "sideways")
+    with pytest.raises(PerfkitError, match="max_model_len"):
+        eng.add_request([5] * 200, max_new_tokens=100)
