@@ -35,8 +35,8 @@ _MODELS: dict = {}
 
 def model_for(name: str):
     if name not in _MODELS:
-        if name == "tiny-fi":  # tiny with FlashInfer head dims (64/128/256/512 supported), bidirectional vision
-            cfg = get_preset("tiny").replace(name="tiny-fi", head_dim=128, global_head_dim=256, sliding_window=16)
+        if name == "tiny-fi":  # tiny with the real head dims (cached FlashInfer JIT modules), bidirectional vision
+            cfg = get_preset("tiny").replace(name="tiny-fi", head_dim=256, global_head_dim=512, sliding_window=16)
         else:
             cfg = get_preset("31b", num_layers=2)
         _MODELS.clear()
