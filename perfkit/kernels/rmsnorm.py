@@ -1,0 +1,321 @@
+"""Gemma4 RMSNorm kernels: plain / residual-add / sandwich (post-norm + residual, then the next pre-norms).
+
+Gemma4's norm is ``y = x * (mean(x^2) + eps)^-0.5 * w`` in fp32 with bf16 (or any float) io (``reference/gemma4.md``
+§2.1; ``w is None`` = the weightless ``with_scale=False`` variant, e.g. ``v_norm``).
+
+Two kernels:
+
+- :func:`rmsnorm` (``_rmsnorm_kernel``): ``y = norm(x [+ res]) * w * out_scale`` over the last dim, ROWS rows per
+  program (1 row of a 1536..5376 hidden state, or several 256/512-wide heads of a ``[T, heads, hd]`` tensor). With
+  ``residual`` it also returns ``s = x + res`` (pre-norm residual add: one read of each input, two writes).
+- :func:`sandwich_rmsnorm` (``_sandwich_kernel``): the decoder layer's sandwich block (§2.5)::
+
+      t = x                                       or  norm(x) * wa + norm(x2) * wb      (MoE: two post-FFN norms)
+      h = (res + norm(t) * w) [* layer_scalar]                                          (post-norm + residual)
+      y_j = norm(h) * w_j * mult_j,  j < len(next_weights) <= 3                         (the following pre-norms)
+
+  Unfused this is 3 + 3·len(next) passes over [T, H] (norm, add, each next norm reads h); fused it reads x (x2),
+  res once and writes h and the y_j once. In Gemma4's layer: after attention ``h = r + post_attn(a)`` feeds
+  ``pre_ff(h)`` (and on MoE layers ``pre_ff_2(h)`` and the router's ``norm(h) * scale * H^-0.5``); after the
+  MLP ``h = r + post_ff(m)`` (MoE: ``m = post_ff_1(m) + post_ff_2(e)``, the ``x2`` form) times ``layer_scalar``.
+
+All math in fp32, one rounding to the output dtype per output (the unfused PyTorch path rounds after every op, so
+bf16 results differ by about one bf16 ulp; fp32 agrees to ~1e-6).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+# --------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr,  # [R, N] (row stride stride_x, unit column stride)
+    res_ptr,  # [R, N] residual (HAS_RES)
+    w_ptr,  # [N] weight (HAS_W)
+    out_ptr,  # [R, N] normed output
+    res_out_ptr,  # [R, N] x + res (HAS_RES)
+    R,
+    N,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    eps,
+    out_scale,
+    HAS_RES: tl.constexpr,
+    HAS_W: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < R
+    cmask = cols < N
+    m = rmask[:, None] & cmask[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x += tl.load(res_ptr + r64 * stride_r + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(res_out_ptr + r64 * stride_ro + cols[None, :], x.to(res_out_ptr.dtype.element_ty), mask=m)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    y = x * rstd[:, None]
+    if HAS_W:
+        y = y * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    y = y * out_scale
+    tl.store(out_ptr + r64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _norm_row(v, N, eps):
+    return v * tl.rsqrt(tl.sum(v * v, axis=0) / N + eps)
+
+
+@triton.jit
+def _sandwich_kernel(
+    x_ptr,  # [R, N] block output (attention / MLP / PLE projection)
+    x2_ptr,  # [R, N] second block output (HAS_X2: MoE experts)
+    wa_ptr,  # [N] norm weight of x when HAS_X2 (post_feedforward_layernorm_1)
+    wb_ptr,  # [N] norm weight of x2 (post_feedforward_layernorm_2)
+    res_ptr,  # [R, N] residual stream
+    w_ptr,  # [N] post-norm weight
+    scalar_ptr,  # [1] layer_scalar (HAS_SCALAR)
+    h_ptr,  # [R, N] out: new residual stream
+    w1_ptr,
+    w2_ptr,
+    w3_ptr,  # [N] next pre-norm weights
+    y1_ptr,
+    y2_ptr,
+    y3_ptr,  # [R, N] next pre-norm outputs (contiguous rows)
+    N,
+    stride_x,
+    stride_x2,
+    stride_r,
+    eps,
+    mult1,
+    mult2,
+    mult3,
+    HAS_X2: tl.constexpr,
+    HAS_SCALAR: tl.constexpr,
+    NUM_NEXT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    cm = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cm, other=0.0).to(tl.float32)
+    if HAS_X2:
+        x2 = tl.load(x2_ptr + row * stride_x2 + cols, mask=cm, other=0.0).to(tl.float32)
+        wa = tl.load(wa_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+        wb = tl.load(wb_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+        x = _norm_row(x, N, eps) * wa + _norm_row(x2, N, eps) * wb
+    w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+    h = tl.load(res_ptr + row * stride_r + cols, mask=cm, other=0.0).to(tl.float32) + _norm_row(x, N, eps) * w
+    if HAS_SCALAR:
+        h = h * tl.load(scalar_ptr).to(tl.float32)
+    tl.store(h_ptr + row * N + cols, h.to(h_ptr.dtype.element_ty), mask=cm)
+    if NUM_NEXT > 0:
+        hn = _norm_row(h, N, eps)
+        y = hn * tl.load(w1_ptr + cols, mask=cm, other=0.0).to(tl.float32) * mult1
+        tl.store(y1_ptr + row * N + cols, y.to(y1_ptr.dtype.element_ty), mask=cm)
+        if NUM_NEXT > 1:
+            y = hn * tl.load(w2_ptr + cols, mask=cm, other=0.0).to(tl.float32) * mult2
+            tl.store(y2_ptr + row * N + cols, y.to(y2_ptr.dtype.element_ty), mask=cm)
+        if NUM_NEXT > 2:
+            y = hn * tl.load(w3_ptr + cols, mask=cm, other=0.0).to(tl.float32) * mult3
+            tl.store(y3_ptr + row * N + cols, y.to(y3_ptr.dtype.element_ty), mask=cm)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as a 2-D [R, N] view with unit column stride (copies only when the last dim is strided)."""
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    return x2 if x2.stride(-1) == 1 or x2.shape[-1] == 1 else x2.contiguous()
+
+
+def _warps(block_n: int) -> int:
+    return max(1, min(16, block_n // 256))
+
+
+def rmsnorm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    out_scale: float = 1.0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``norm(x) * weight * out_scale`` over the last dim, x of any leading shape ([T, H] or [T, heads, hd]).
+
+    With ``residual``: returns ``(norm(x + residual) * weight, x + residual)``. Output dtype = x's dtype.
+    """
+    shape, N = x.shape, x.shape[-1]
+    x2 = _rows(x)
+    R = x2.shape[0]
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    o2 = out.view(-1, N)
+    if residual is not None:
+        if residual.shape != shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(shape)}")
+        r2 = _rows(residual)
+        res_out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        ro2 = res_out.view(-1, N)
+    else:
+        r2, res_out, ro2 = x2, None, o2
+    if R == 0:
+        return out if residual is None else (out, res_out)
+    block_n = triton.next_power_of_2(N)
+    rows = max(1, min(16, 2048 // block_n))  # several short rows (per-head norms) per program
+    _rmsnorm_kernel[(triton.cdiv(R, rows),)](
+        x2, r2, x2 if weight is None else weight, o2, ro2, R, N,
+        x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0), float(eps), float(out_scale),
+        HAS_RES=residual is not None, HAS_W=weight is not None, ROWS=rows, BLOCK_N=block_n,
+        num_warps=_warps(block_n * rows),
+    )  # fmt: skip
+    return out if residual is None else (out, res_out)
+
+
+def sandwich_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    x2: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    scalar: torch.Tensor | None = None,
+    next_weights: Sequence[torch.Tensor] = (),
+    next_mults: Sequence[float] | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``h = (residual + norm(t) * weight) * scalar``, ``t = x`` or, with ``x2 = (e, wa, wb)``,
+    ``t = norm(x) * wa + norm(e) * wb``; returns ``(h, [norm(h) * w_j * mult_j for w_j in next_weights])``.
+
+    x, residual, e: [T, H] (row-strided views allowed); weights [H]; scalar: a 1-element tensor (layer_scalar).
+    """
+    if x.dim() != 2 or residual.shape != x.shape:
+        raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must be equal 2-D shapes")
+    if len(next_weights) > 3:
+        raise ValueError("at most 3 next_weights")
+    mults = [1.0] * len(next_weights) if next_mults is None else [float(m) for m in next_mults]
+    if len(mults) != len(next_weights):
+        raise ValueError("next_mults must match next_weights")
+    R, N = x.shape
+    xr, rr = _rows(x), _rows(residual)
+    h = torch.empty((R, N), dtype=residual.dtype, device=x.device)
+    ys = [torch.empty((R, N), dtype=x.dtype, device=x.device) for _ in next_weights]
+    if R == 0:
+        return h, ys
+    if x2 is not None:
+        e, wa, wb = x2
+        if e.shape != x.shape:
+            raise ValueError(f"x2 shape {tuple(e.shape)} != x shape {tuple(x.shape)}")
+        er = _rows(e)
+    else:
+        er, wa, wb = xr, weight, weight
+    ws = list(next_weights) + [weight] * (3 - len(next_weights))
+    yp = ys + [h] * (3 - len(ys))
+    mp = mults + [1.0] * (3 - len(mults))
+    block_n = triton.next_power_of_2(N)
+    _sandwich_kernel[(R,)](
+        xr, er, wa, wb, rr, weight, weight if scalar is None else scalar, h, *ws, *yp,
+        N, xr.stride(0), er.stride(0), rr.stride(0), float(eps), *mp,
+        HAS_X2=x2 is not None, HAS_SCALAR=scalar is not None, NUM_NEXT=len(next_weights), BLOCK_N=block_n,
+        num_warps=_warps(block_n),
+    )  # fmt: skip
+    return h, ys
+
+
+# --------------------------------------------------------------------------------------------------------------
+# PyTorch references (the unfused model's op sequence, rounding after every op)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def rmsnorm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    out_scale: float = 1.0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    s = x if residual is None else x + residual
+    xf = s.float()
+    y = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        y = y * weight.float()
+    y = (y * out_scale).to(x.dtype)
+    return y if residual is None else (y, s)
+
+
+def sandwich_rmsnorm_ref(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    x2: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    scalar: torch.Tensor | None = None,
+    next_weights: Sequence[torch.Tensor] = (),
+    next_mults: Sequence[float] | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    t = x
+    if x2 is not None:
+        e, wa, wb = x2
+        t = rmsnorm_ref(x, wa, eps) + rmsnorm_ref(e, wb, eps)
+    h = residual + rmsnorm_ref(t, weight, eps)
+    if scalar is not None:
+        h = h * scalar
+    mults = [1.0] * len(next_weights) if next_mults is None else list(next_mults)
+    return h, [rmsnorm_ref(h, w, eps, out_scale=m) for w, m in zip(next_weights, mults, strict=True)]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Traffic
+# --------------------------------------------------------------------------------------------------------------
+
+
+def rmsnorm_traffic(
+    rows: int, n: int, elt_bytes: int = 2, residual: bool = False, weight: bool = True, w_bytes: int | None = None
+) -> dict[str, int]:
+    """Minimum DRAM bytes of :func:`rmsnorm`: read x (+ residual), write y (+ x + residual), read w once.
+
+    FLOPs per element: square + sum (2), scale by rstd (1), weight (1), residual add (1).
+    """
+    w_bytes = elt_bytes if w_bytes is None else w_bytes
+    read = rows * n * elt_bytes * (2 if residual else 1) + (n * w_bytes if weight else 0)
+    written = rows * n * elt_bytes * (2 if residual else 1)
+    flops = rows * n * (3 + int(weight) + int(residual))
+    return {"bytes_read": read, "bytes_written": written, "total_bytes": read + written, "flops": flops}
+
+
+def sandwich_rmsnorm_traffic(
+    rows: int, n: int, elt_bytes: int = 2, num_next: int = 0, x2: bool = False, w_bytes: int | None = None
+) -> dict[str, int]:
+    """Minimum DRAM bytes of :func:`sandwich_rmsnorm`: read x (+ x2), res, the weights; write h and num_next outputs.
+
+    ``unfused_bytes``: the PyTorch sequence (each norm reads and writes [R, N], the add reads 2 and writes 1, each
+    next norm reads h; the x2 form adds two norms and one add), for the saving.
+    """
+    w_bytes = elt_bytes if w_bytes is None else w_bytes
+    a = rows * n * elt_bytes
+    n_w = 1 + num_next + (2 if x2 else 0)
+    read = a * (2 + int(x2)) + n_w * n * w_bytes
+    written = a * (1 + num_next)
+    unfused = (2 * a + 3 * a) + num_next * 2 * a + (7 * a if x2 else 0) + n_w * n * w_bytes
+    flops = rows * n * (4 + 1 + 4 * num_next + (9 if x2 else 0))
+    return {
+        "bytes_read": read,
+        "bytes_written": written,
+        "total_bytes": read + written,
+        "unfused_bytes": unfused,
+        "flops": flops,
+    }
