@@ -253,8 +253,8 @@ def test_dataset_missing_empty_and_isl_conflict(tmp_path):
     empty = write(tmp_path, [""])
     with pytest.raises(PerfkitError, match="no requests"):
         load_dataset(empty)
-    with pytest.raises(PerfkitError, match="not both"):
-        generate_requests(wl(isl=4, dataset=str(empty)), 1, TINY)
+    with pytest.raises(ValueError, match="not both"):  # the config refuses isl + dataset already
+        wl(isl=4, dataset=str(empty))
 
 
 # --------------------------------------------------------------------------------------------- shared prefix

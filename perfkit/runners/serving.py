@@ -20,7 +20,7 @@ import torch
 
 from perfkit.capture.memory import MemoryTracker
 from perfkit.capture.profiler import ProfileWindow
-from perfkit.capture.ranges import RangeRecorder
+from perfkit.capture.ranges import DEVICE_RANGES, RangeRecorder
 from perfkit.capture.telemetry import TelemetrySampler
 from perfkit.config import ModelConfig, RunConfig, ScenarioConfig, Toggles
 from perfkit.results import RooflineSection, ScenarioResult
@@ -162,7 +162,8 @@ class ServingTarget:
             items = []
             for item in req.mm_items:
                 # frames of one item draw seeds item.seed*4096 + f: distinct from every other item's
-                pv, pp = synthetic_images(item.num_frames, item.num_soft_tokens, item.seed * 4096, self.device, dtype)
+                seed = (item.seed % (1 << 40)) * 4096
+                pv, pp = synthetic_images(item.num_frames, item.num_soft_tokens, seed, self.device, dtype)
                 for f in range(item.num_frames):  # one vision run per image / per video frame
                     items.append({"pixel_values": pv[f : f + 1], "pixel_position_ids": pp[f : f + 1]})
             return items
@@ -240,7 +241,9 @@ def load_target(cfg: RunConfig, mcfg: ModelConfig, device: str, run_dir: Path, t
 
     cap = cfg.capture
     memory = MemoryTracker(enabled=cap.memory)
-    ranges = RangeRecorder(enabled=cap.nvtx, device_timing=cap.device_timing and device == "cuda")
+    ranges = RangeRecorder(
+        enabled=cap.nvtx, device_timing=cap.device_timing and device == "cuda", device_ranges=DEVICE_RANGES
+    )
     telemetry = TelemetrySampler(interval_ms=cap.telemetry_interval_ms, enabled=cap.telemetry and device == "cuda")
     if device != "cuda" and cap.telemetry:
         telemetry.reason = "no CUDA device"

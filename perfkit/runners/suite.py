@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.resources
 import importlib.util
+import os
 import time
 import traceback
 from pathlib import Path
@@ -58,7 +59,9 @@ def resolve_toggles(toggles: Toggles, device: str) -> Toggles:
         why = "no CUDA device" if device != "cuda" else "flashinfer is not installed (pip install -e .[gpu])"
         raise PerfkitError(f"toggles.attention=flashinfer cannot run here: {why}; use attention: torch or auto")
     cuda_graphs = toggles.cuda_graphs if (device == "cuda" and attention == "flashinfer") else "off"
-    return toggles.model_copy(update={"attention": attention, "cuda_graphs": cuda_graphs})
+    # the Triton mask runs on a CPU only under the interpreter; record what actually runs
+    mask = toggles.mask if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "dense"
+    return toggles.model_copy(update={"attention": attention, "cuda_graphs": cuda_graphs, "mask": mask})
 
 
 def _check_supported(cfg: RunConfig) -> None:

@@ -8,9 +8,11 @@ Toggles (settable on a live engine with `set_toggle`; both arms of every toggle 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -55,6 +57,22 @@ class EngineConfig:
     seed: int = 0  # sampling generators
 
 
+class NullCapture:
+    """Stands in for the capture instruments (perfkit.capture: RangeRecorder, MemoryTracker) when none are given:
+    `range(name)` and `phase(name)` are shared no-op contexts. The runtime never imports perfkit.capture."""
+
+    _null = contextlib.nullcontext()
+
+    def range(self, name: str) -> Any:
+        return self._null
+
+    def phase(self, name: str) -> Any:
+        return self._null
+
+
+NULL_CAPTURE = NullCapture()
+
+
 @dataclass
 class EngineStats:
     preemptions: int = 0
@@ -68,8 +86,14 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model, cfg, engine_config: EngineConfig | None = None, vision_tower=None):
+    def __init__(
+        self, model, cfg, engine_config: EngineConfig | None = None, vision_tower=None, ranges=None, memory=None
+    ):
+        """`ranges` (NVTX + timings, `.range(name)`) and `memory` (`.phase(name)`) are the capture instruments;
+        the runner passes perfkit.capture's RangeRecorder and MemoryTracker, tests may omit them."""
         ec = engine_config or EngineConfig()
+        self.ranges = ranges if ranges is not None else NULL_CAPTURE
+        self.memory = memory if memory is not None else NULL_CAPTURE
         self.model, self.cfg, self.ec = model, cfg, ec
         self.device = model.device
         self.layers = cfg.attn_layers()
@@ -128,7 +152,7 @@ class Engine:
         self._backends: dict = {}
         self.runner = ModelRunner(
             self.model, self.cfg, self.bm, self._page_table_builder(ec.page_table), self._backend(ec.attention),
-            max_num_tokens=ec.max_num_tokens, vision_tower=self.vision_tower,
+            max_num_tokens=ec.max_num_tokens, vision_tower=self.vision_tower, ranges=self.ranges, memory=self.memory,
         )  # fmt: skip
         self.runner.mask_impl = ec.mask
         self.runner.mm_embed_cache = ec.mm_embed_cache
@@ -171,8 +195,9 @@ class Engine:
             from perfkit.runtime.cuda_graphs import DecodeGraphs
 
             t0 = time.perf_counter()
-            self._graphs = DecodeGraphs(self.model, backend, self.kv, self.bm, self.ec.max_batch_size)
-            self._graphs.capture()
+            with self.ranges.range("graph_capture"):
+                self._graphs = DecodeGraphs(self.model, backend, self.kv, self.bm, self.ec.max_batch_size)
+                self._graphs.capture()
             self._graph_capture_s += time.perf_counter() - t0
         self.runner.graphs = self._graphs
 
@@ -257,21 +282,42 @@ class Engine:
     # ---- the loop --------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
-        sched = self.scheduler.schedule()
-        if sched.empty:
-            return []
-        self._steps += 1
-        inputs = self.runner.prepare(sched)
-        logits = self.runner.forward(inputs)
-        gens = [self._generators.get(r.request_id) for r in inputs.sample_reqs]
-        token_ids = sample(logits, [r.sampling for r in inputs.sample_reqs], gens)
-        t_host_ns = time.perf_counter_ns()
-        outputs = self.scheduler.postprocess(sched, token_ids, t_host_ns)
-        for o in outputs:
-            if o.finished:
-                self.runner.release(o.request_id)
-                self._generators.pop(o.request_id, None)
+        """One engine iteration: schedule -> prepare -> forward -> sample -> postprocess, each an NVTX range."""
+        R = self.ranges.range
+        with R("step"):
+            with R("schedule"):
+                sched = self.scheduler.schedule()
+            if sched.empty:
+                return []
+            self._steps += 1
+            with R("prepare_inputs"):
+                inputs = self.runner.prepare(sched)
+            with R("forward_decode" if sched.num_decodes == len(sched.chunks) else "forward_prefill"):
+                logits = self.runner.forward(inputs)
+            with R("sample"):
+                gens = [self._generators.get(r.request_id) for r in inputs.sample_reqs]
+                token_ids = sample(logits, [r.sampling for r in inputs.sample_reqs], gens)  # ids on the host
+            t_host_ns = time.perf_counter_ns()
+            with R("postprocess"):
+                outputs = self.scheduler.postprocess(sched, token_ids, t_host_ns)
+                for o in outputs:
+                    if o.finished:
+                        self.runner.release(o.request_id)
+                        self._generators.pop(o.request_id, None)
         return outputs
+
+    def abort_all(self) -> None:
+        """Drop every waiting and running request and free its pages (after a failed scenario)."""
+        for req in list(self.scheduler.waiting) + list(self.scheduler.running):
+            self.bm.free(req.request_id)
+            self.runner.release(req.request_id)
+            self._generators.pop(req.request_id, None)
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()
+
+    def set_vision_tower(self, tower) -> None:
+        self.vision_tower = tower
+        self.runner.vision_tower = tower
 
     def generate_all(self) -> dict[int, list[int]]:
         """Run until every request finished; returns the new tokens per request id (tests, simple runners)."""

@@ -42,7 +42,9 @@ def _build_mask(token_types: torch.Tensor, q_lens, prefix_lens, window, impl: st
 
 
 class ModelRunner:
-    def __init__(self, model, cfg, bm, page_tables, backend, *, max_num_tokens: int, vision_tower=None):
+    def __init__(
+        self, model, cfg, bm, page_tables, backend, *, max_num_tokens: int, vision_tower=None, ranges, memory
+    ):
         self.model = model
         self.cfg = cfg
         self.bm = bm
@@ -57,6 +59,7 @@ class ModelRunner:
         self._mm_cache: dict[int, torch.Tensor] = {}
         self._placeholder_ids = np.array([cfg.image_token_id, cfg.video_token_id])
         self.num_encoder_calls = 0
+        self.ranges, self.memory = ranges, memory  # capture instruments (NVTX ranges, memory phases)
 
     # ---- prepare ---------------------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
@@ -112,7 +115,8 @@ class ModelRunner:
         prefix = [kv - q for kv, q in zip(kv_lens, q_lens, strict=True)]
         flat = torch.tensor([t for ty in types for t in ty], dtype=torch.long)
         window = self.cfg.sliding_window
-        return _build_mask(flat, q_lens, prefix, window, self.mask_impl, self.device)
+        with self.ranges.range("build_mask"), self.memory.phase("build_mask"):
+            return _build_mask(flat, q_lens, prefix, window, self.mask_impl, self.device)
 
     # ---- multimodal ------------------------------------------------------------------------------------------
     def _encode(self, req: Request) -> torch.Tensor:
@@ -126,7 +130,8 @@ class ModelRunner:
             if self.vision_tower is None:
                 raise RuntimeError("request has pixel inputs but the engine has no vision tower")
             self.num_encoder_calls += 1
-            rows.append(self.vision_tower(pv.to(self.device), pp.to(self.device)))
+            with self.ranges.range("mm_encode"), self.memory.phase("mm_encode"):
+                rows.append(self.vision_tower(pv.to(self.device), pp.to(self.device)))
         return torch.cat(rows).to(self.model.dtype)
 
     def _request_embeds(self, req: Request) -> torch.Tensor:
