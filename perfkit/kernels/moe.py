@@ -20,6 +20,8 @@ Math: bf16 (or fp32) operands, fp32 accumulation (fp32 inputs use IEEE dots, no 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -91,6 +93,7 @@ def _moe_gemm_kernel(
     GELU_MUL: tl.constexpr,
     MUL_W: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,  # interpreter only: its bf16 tl.dot multiplies the raw uint16 bits
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -119,9 +122,14 @@ def _moe_gemm_kernel(
             km = offs_k < Kd - k0
             a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=km[:, None] & nmask[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             if GELU_MUL:
                 bu = tl.load(b_ptrs + N * stride_bn, mask=km[:, None] & nmask[None, :], other=0.0)
+                if UPCAST:
+                    bu = bu.to(tl.float32)
                 acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_bk
@@ -223,19 +231,20 @@ def fused_moe(
     t1["BLOCK_M"] = t2["BLOCK_M"] = bm
     sorted_ids, block_expert = moe_align(topk_idx, E, bm)
     n_blocks = block_expert.numel()
-    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    upcast = os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32
+    prec = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
     act = torch.empty((P, inter), dtype=x.dtype, device=x.device)
     w_flat = topk_w.reshape(-1).to(torch.float32).contiguous()
     _moe_gemm_kernel[(n_blocks, triton.cdiv(inter, t1["BLOCK_N"]))](
         x, w_gate_up, act, sorted_ids, block_expert, w_flat,
         inter, H, E, P, K, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2), act.stride(0),
-        A_BY_TOKEN=True, GELU_MUL=True, MUL_W=False, DOT_PRECISION=prec, **t1,
+        A_BY_TOKEN=True, GELU_MUL=True, MUL_W=False, DOT_PRECISION=prec, UPCAST=upcast, **t1,
     )  # fmt: skip
     y = torch.empty((P, H), dtype=x.dtype, device=x.device)
     _moe_gemm_kernel[(n_blocks, triton.cdiv(H, t2["BLOCK_N"]))](
         act, w_down, y, sorted_ids, block_expert, w_flat,
         H, inter, E, P, K, act.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), y.stride(0),
-        A_BY_TOKEN=False, GELU_MUL=False, MUL_W=True, DOT_PRECISION=prec, **t2,
+        A_BY_TOKEN=False, GELU_MUL=False, MUL_W=True, DOT_PRECISION=prec, UPCAST=upcast, **t2,
     )  # fmt: skip
     return y.view(T, K, H).sum(dim=1)
 
