@@ -75,6 +75,7 @@ def _w4a16_gemm_kernel(
     s_ptr,  # [N, K/16] uint8 (raw e4m3fn bytes)
     gs_ptr,  # fp32 global scale: [1] (gs_stride 0) or [N] (gs_stride 1)
     out_ptr,  # [M, N] output dtype, or [SPLIT_K, M, N] fp32 partials
+    eid_ptr,  # PER_ROW_EXPERT: [M] expert id of each row (weights are stacked [E, ...]); else unused
     M,
     N,
     K,
@@ -86,12 +87,16 @@ def _w4a16_gemm_kernel(
     stride_om,
     stride_on,
     gs_stride,
+    stride_we,
+    stride_se,
+    stride_ge,
     k_per_split,  # multiple of BLOCK_K
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GATHER_SCALES: tl.constexpr,
     IEEE: tl.constexpr,
+    PER_ROW_EXPERT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -99,11 +104,19 @@ def _w4a16_gemm_kernel(
     HALF: tl.constexpr = BLOCK_K // 2
     GROUPS: tl.constexpr = BLOCK_K // 16
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if PER_ROW_EXPERT:  # one row per program, against its own expert's weight (MoE decode, no host sync)
+        e = tl.load(eid_ptr + pid_m).to(tl.int64)
+        w_ptr += e * stride_we
+        s_ptr += e * stride_se
+        gs_ptr += e * stride_ge
+        offs_m = pid_m + tl.arange(0, BLOCK_M)
+        m_ok = tl.arange(0, BLOCK_M) == 0
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, HALF)  # packed byte within the tile = element pair (2j, 2j+1)
     offs_g = tl.arange(0, GROUPS)
-    m_ok = offs_m < M
     n_ok = offs_n < N
     num_groups = K // 16
 
@@ -205,19 +218,55 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) ->
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got {tuple(x.shape)}")
     M, K = x.shape
-    N = weight.shape[0]
-    if weight.dtype != torch.uint8 or tuple(weight.shape) != (N, K // 2) or K % BLOCK_SIZE:
-        raise ValueError(f"weight must be uint8 [N, K/2] with K % 16 == 0; got {weight.dtype} {tuple(weight.shape)}, K={K}")
-    if tuple(weight_scale.shape) != (N, K // BLOCK_SIZE):
-        raise ValueError(f"weight_scale must be [N, K/16] = [{N}, {K // BLOCK_SIZE}], got {tuple(weight_scale.shape)}")
+    N = weight.shape[-2]
+    if weight.dtype != torch.uint8 or tuple(weight.shape[-2:]) != (N, K // 2) or K % BLOCK_SIZE:
+        raise ValueError(
+            f"weight must be uint8 [..., N, K/2] with K % 16 == 0; got {weight.dtype} {tuple(weight.shape)}, K={K}"
+        )
+    if tuple(weight_scale.shape[-2:]) != (N, K // BLOCK_SIZE) or weight_scale.dim() != weight.dim():
+        raise ValueError(f"weight_scale must be [..., N, K/16] = [{N}, {K // BLOCK_SIZE}], got {tuple(weight_scale.shape)}")
     return M, N, K
 
 
-def _global_scale(global_scale: torch.Tensor | float, N: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=device).reshape(-1)
-    if gs.numel() not in (1, N):
-        raise ValueError(f"global scale must have 1 or N={N} elements, got {gs.numel()}")
-    return gs.contiguous(), 0 if gs.numel() == 1 else 1
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    gs: torch.Tensor,
+    gs_stride: int,
+    expert_ids: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: W4A16Config | None,
+    scale_mode: str,
+) -> torch.Tensor:
+    M, K = x.shape
+    N = weight.shape[-2]
+    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    if scale_mode not in ("reshape", "gather"):
+        raise ValueError(f"scale_mode {scale_mode!r}: allowed values are reshape, gather")
+    cfg = config or pick_config(1 if expert_ids is not None else M)
+    per_row = expert_ids is not None
+    grid_mn = (triton.cdiv(N, cfg.block_n), M if per_row else triton.cdiv(M, cfg.block_m))
+    split = cfg.split_k or _split_k(x.device, grid_mn[0] * grid_mn[1], K, cfg.block_k)
+    k_per_split = triton.cdiv(triton.cdiv(K, split), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(K, k_per_split)
+    target = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+    stride_os, stride_om, stride_on = (0, *out.stride()) if split == 1 else target.stride()
+    stride_we, stride_se, stride_ge = (weight.stride(0), scales.stride(0), gs.stride(0)) if per_row else (0, 0, 0)
+    _w4a16_gemm_kernel[(grid_mn[0], grid_mn[1], split)](
+        x, weight, scales, gs, target, expert_ids if per_row else gs,
+        M, N, K,
+        x.stride(0), x.stride(1), weight.stride(-2), scales.stride(-2),
+        stride_os, stride_om, stride_on, gs_stride, stride_we, stride_se, stride_ge, k_per_split,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GATHER_SCALES=scale_mode == "gather", IEEE=x.dtype == torch.float32 or _interpreting(),
+        PER_ROW_EXPERT=per_row, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if split > 1:
+        torch.sum(target, dim=0, out=out) if out_dtype == torch.float32 else out.copy_(target.sum(dim=0))
+    return out
 
 
 def w4a16_gemm(
@@ -229,39 +278,50 @@ def w4a16_gemm(
     config: W4A16Config | None = None,
     scale_mode: str = "reshape",
 ) -> torch.Tensor:
-    """``x [M, K] @ dequant(weight)^T -> [M, N]`` (see the module docstring for the format). No host sync:
-    the global scale is read on the device (CUDA-graph safe). ``scale_mode``: reshape | gather."""
+    """``x [M, K] @ dequant(weight [N, K/2])^T -> [M, N]`` (format: module docstring). ``global_scale``: scalar
+    or per output row [N]. No host sync (the global scale is read on the device): CUDA-graph safe.
+    ``scale_mode``: reshape | gather (how block scales are broadcast; same result)."""
     M, N, K = _check(x, weight, weight_scale)
-    out_dtype = out_dtype or x.dtype
-    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
-    if M == 0 or N == 0:
-        return out
-    if K == 0:
-        return out.zero_()
-    if scale_mode not in ("reshape", "gather"):
-        raise ValueError(f"scale_mode {scale_mode!r}: allowed values are reshape, gather")
-    cfg = config or pick_config(M)
-    gs, gs_stride = _global_scale(global_scale, N, x.device)
-    weight = weight.contiguous()
-    scales = weight_scale.contiguous().view(torch.uint8)
-    grid_mn = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m))
-    split = cfg.split_k or _split_k(x.device, grid_mn[0] * grid_mn[1], K, cfg.block_k)
-    k_per_split = triton.cdiv(triton.cdiv(K, split), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(K, k_per_split)
-    target = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-    stride_os, stride_om, stride_on = (0, *out.stride()) if split == 1 else target.stride()
-    _w4a16_gemm_kernel[(grid_mn[0], grid_mn[1], split)](
-        x, weight, scales, gs, target,
-        M, N, K,
-        x.stride(0), x.stride(1), weight.stride(0), scales.stride(0),
-        stride_os, stride_om, stride_on, gs_stride, k_per_split,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GATHER_SCALES=scale_mode == "gather", IEEE=x.dtype == torch.float32 or _interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K/2], got {tuple(weight.shape)}")
+    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device).reshape(-1)
+    if gs.numel() not in (1, N):
+        raise ValueError(f"global scale must have 1 or N={N} elements, got {gs.numel()}")
+    return _launch(
+        x, weight.contiguous(), weight_scale.contiguous().view(torch.uint8), gs.contiguous(),
+        0 if gs.numel() == 1 else 1, None, out_dtype or x.dtype, config, scale_mode,
     )  # fmt: skip
-    if split > 1:
-        torch.sum(target, dim=0, out=out) if out_dtype == torch.float32 else out.copy_(target.sum(dim=0))
-    return out
+
+
+def w4a16_gemm_gathered(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    expert_ids: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    config: W4A16Config | None = None,
+) -> torch.Tensor:
+    """Row r of ``x [R, K]`` times expert ``expert_ids[r]``'s weight: stacked ``weight [E, N, K/2]``,
+    ``weight_scale [E, N, K/16]``, ``global_scale [E]`` or ``[E, N]`` -> ``[R, N]``. One program per (row, N
+    tile): each row streams its expert's weight (the MoE decode path: few rows, no host sync)."""
+    M, N, K = _check(x, weight, weight_scale)
+    E = weight.shape[0]
+    if weight.dim() != 3 or expert_ids.shape != (M,):
+        raise ValueError(f"weight must be [E, N, K/2] and expert_ids [R]; got {tuple(weight.shape)}, {tuple(expert_ids.shape)}")
+    gs = global_scale.to(device=x.device, dtype=torch.float32)
+    if gs.shape == (E,):
+        gs_stride = 0
+        gs = gs.contiguous()
+    elif gs.shape == (E, N):
+        gs_stride = 1
+        gs = gs.contiguous()
+    else:
+        raise ValueError(f"global_scale must be [E] or [E, N] = [{E}, {N}], got {tuple(gs.shape)}")
+    return _launch(
+        x, weight.contiguous(), weight_scale.contiguous().view(torch.uint8), gs, gs_stride,
+        expert_ids.contiguous(), out_dtype or x.dtype, config, "reshape",
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -322,28 +382,42 @@ def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
     return idx.to(torch.uint8) | sign
 
 
+def w4a16_gemm_gathered_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    expert_ids: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Gather the rows' experts, dequantise them in torch (fp32) and multiply row by row."""
+    w = dequantize_nvfp4(weight[expert_ids], weight_scale[expert_ids], global_scale[expert_ids])  # [R, N, K]
+    return (w @ x.float()[:, :, None])[:, :, 0].to(out_dtype or x.dtype)
+
+
 def quantize_nvfp4(
     w: torch.Tensor, global_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (uint8 [N, K/2], float8_e4m3fn [N, K/16], fp32 scalar global scale).
+    """[..., N, K] float -> (uint8 [..., N, K/2], float8_e4m3fn [..., N, K/16], fp32 global scale [...]).
 
-    ModelOpt recipe: ``global = amax(|W|) / (6 * 448)``, block scale ``= e4m3(amax_block / 6 / global)``, codes
-    ``= round_e2m1(w / (block_scale * global))`` (clamped to +-6).
+    ModelOpt recipe, one global scale per [N, K] matrix: ``global = amax(|W|) / (6 * 448)``, block scale
+    ``= e4m3(amax_block / 6 / global)``, codes ``= round_e2m1(w / (block_scale * global))`` (clamped to +-6).
     """
-    N, K = w.shape
+    *lead, N, K = w.shape
     if K % BLOCK_SIZE:
         raise ValueError(f"NVFP4 needs K % 16 == 0, got K={K}")
     wf = w.float()
     if global_scale is None:
-        global_scale = (wf.abs().amax() / (FP4_MAX * FP8_E4M3_MAX)).clamp(min=1e-12)
-    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=w.device).reshape(())
-    blocks = wf.view(N, K // BLOCK_SIZE, BLOCK_SIZE)
+        global_scale = (wf.abs().amax(dim=(-2, -1)) / (FP4_MAX * FP8_E4M3_MAX)).clamp(min=1e-12)
+    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=w.device).expand(lead).contiguous()
+    blocks = wf.view(*lead, N, K // BLOCK_SIZE, BLOCK_SIZE)
     block_amax = blocks.abs().amax(dim=-1)
-    scale = (block_amax / FP4_MAX / gs).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    denom = scale.float() * gs
-    q = torch.where(denom[..., None] > 0, blocks / denom[..., None], torch.zeros_like(blocks))
-    codes = round_to_e2m1(q.clamp(-FP4_MAX, FP4_MAX)).view(N, K)
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    g = gs[..., None, None]
+    scale = (block_amax / FP4_MAX / g).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    denom = (scale.float() * g)[..., None]
+    q = torch.where(denom > 0, blocks / denom, torch.zeros_like(blocks))
+    codes = round_to_e2m1(q.clamp(-FP4_MAX, FP4_MAX)).view(*lead, N, K)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed.contiguous(), scale, gs
 
 
