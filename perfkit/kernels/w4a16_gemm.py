@@ -209,7 +209,11 @@ def _num_sms(device_index: int) -> int:
 
 
 def _split_k(device: torch.device, tiles: int, K: int, block_k: int) -> int:
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 4
+    sms = (
+        _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        if device.type == "cuda"
+        else 4
+    )
     want = triton.cdiv(2 * sms, max(tiles, 1))
     return max(1, min(want, triton.cdiv(K, block_k), 16))
 
@@ -224,7 +228,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) ->
             f"weight must be uint8 [..., N, K/2] with K % 16 == 0; got {weight.dtype} {tuple(weight.shape)}, K={K}"
         )
     if tuple(weight_scale.shape[-2:]) != (N, K // BLOCK_SIZE) or weight_scale.dim() != weight.dim():
-        raise ValueError(f"weight_scale must be [..., N, K/16] = [{N}, {K // BLOCK_SIZE}], got {tuple(weight_scale.shape)}")
+        raise ValueError(
+            f"weight_scale must be [..., N, K/16] = [{N}, {K // BLOCK_SIZE}], got {tuple(weight_scale.shape)}"
+        )
     return M, N, K
 
 
@@ -308,7 +314,9 @@ def w4a16_gemm_gathered(
     M, N, K = _check(x, weight, weight_scale)
     E = weight.shape[0]
     if weight.dim() != 3 or expert_ids.shape != (M,):
-        raise ValueError(f"weight must be [E, N, K/2] and expert_ids [R]; got {tuple(weight.shape)}, {tuple(expert_ids.shape)}")
+        raise ValueError(
+            f"weight must be [E, N, K/2] and expert_ids [R]; got {tuple(weight.shape)}, {tuple(expert_ids.shape)}"
+        )
     gs = global_scale.to(device=x.device, dtype=torch.float32)
     if gs.shape == (E,):
         gs_stride = 0
