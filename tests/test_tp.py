@@ -83,18 +83,20 @@ def _staggered(engine, prompts, max_new):
     return [out[rid_of[i]] for i in range(len(prompts))]
 
 
-def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
+def _worker(rank: int, world: int, port: int, out_file: str) -> None:
+    # torchrun's environment, rendezvous and gloo sockets on the loopback interface only
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")  # fmt: skip
     torch.set_num_threads(1)
-    import torch.distributed as dist
-
+    from perfkit.runners.tp_launch import init_tp
     from perfkit.runtime.attention.contiguous import ContiguousAttention
     from perfkit.runtime.engine import Engine, EngineConfig
     from perfkit.runtime.generate import greedy_generate
     from perfkit.runtime.tp import shard_model_
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    ctx = init_tp("cpu")
     try:
+        assert (ctx.rank, ctx.world_size, ctx.backend) == (rank, world, "gloo")
         ids = torch.tensor(PROMPT)
         res: dict = {}
 
@@ -128,18 +130,30 @@ def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
         res["engine"] = dict(
             ref=ref, tp=_staggered(engine, prompts, max_new), kv_heads=engine.kv.specs["sliding"].num_kv_heads
         )
+        # control-plane helpers the TP runner uses
+        res["control"] = dict(
+            bcast=ctx.broadcast_object({"submit": 3} if rank == 0 else None), min=ctx.min_int(10 + rank)
+        )
+        ctx.assert_identical(res["engine"]["tp"], "engine tokens")
+        try:
+            ctx.assert_identical(rank, "rank")
+            res["control"]["diverged"] = False
+        except RuntimeError:
+            res["control"]["diverged"] = True
         if rank == 0:
             torch.save(res, out_file)
     finally:
-        dist.destroy_process_group()
+        ctx.shutdown()
 
 
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory):
     import torch.multiprocessing as mp
 
+    from perfkit.runners.tp_launch import free_loopback_port
+
     d = tmp_path_factory.mktemp("tp")
-    mp.spawn(_worker, args=(2, str(d / "init"), str(d / "out.pt")), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_loopback_port(), str(d / "out.pt")), nprocs=2, join=True)
     return torch.load(d / "out.pt")
 
 
@@ -157,6 +171,10 @@ def test_tp2_engine_matches_tp1(two_rank_results):
     r = two_rank_results["engine"]
     assert r["tp"] == r["ref"]
     assert r["kv_heads"] == 1  # tiny-moe sliding layers: 2 KV heads over 2 ranks
+
+
+def test_tp_control_helpers(two_rank_results):
+    assert two_rank_results["control"] == {"bcast": {"submit": 3}, "min": 10, "diverged": True}
 
 
 # ---- launcher -----------------------------------------------------------------------------------------------------

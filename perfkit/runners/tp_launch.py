@@ -136,7 +136,8 @@ class TPContext:
     local_rank: int
     device: torch.device
     backend: str  # nccl | gloo
-    group: Any = None  # None = WORLD
+    group: Any = None  # tensor-parallel collectives (model); None = WORLD
+    control_group: Any = None  # host-side control messages: a gloo group beside NCCL (no GPU stream sync)
 
     @property
     def is_rank0(self) -> bool:
@@ -149,7 +150,7 @@ class TPContext:
         import torch.distributed as dist
 
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group, device=self._comm_device())
+        dist.broadcast_object_list(box, src=src, group=self.control_group, device=torch.device("cpu"))
         return box[0]
 
     def min_int(self, value: int) -> int:
@@ -158,8 +159,8 @@ class TPContext:
             return int(value)
         import torch.distributed as dist
 
-        t = torch.tensor([int(value)], dtype=torch.int64, device=self._comm_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        t = torch.tensor([int(value)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
         return int(t.item())
 
     def assert_identical(self, obj: Any, what: str = "value") -> None:
@@ -169,7 +170,7 @@ class TPContext:
         import torch.distributed as dist
 
         objs: list[Any] = [None] * self.world_size
-        dist.all_gather_object(objs, obj, group=self.group)
+        dist.all_gather_object(objs, obj, group=self.control_group)
         if any(o != objs[0] for o in objs):
             raise RuntimeError(f"tensor parallel ranks diverged on {what}: {objs}")
 
@@ -177,10 +178,7 @@ class TPContext:
         if self.world_size > 1:
             import torch.distributed as dist
 
-            dist.barrier(group=self.group)
-
-    def _comm_device(self) -> torch.device:
-        return self.device if self.backend == "nccl" else torch.device("cpu")
+            dist.barrier(group=self.control_group)
 
     def shutdown(self) -> None:
         import torch.distributed as dist
@@ -209,7 +207,8 @@ def init_tp(device: str = "auto", timeout_s: float = 1800.0) -> TPContext:
     if not dist.is_initialized():
         kw: dict[str, Any] = {"device_id": dev} if use_cuda else {}
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
-    return TPContext(dist.get_rank(), dist.get_world_size(), lr, dev, backend)
+    control = dist.new_group(backend="gloo") if backend == "nccl" else None  # collective: every rank calls it
+    return TPContext(dist.get_rank(), dist.get_world_size(), lr, dev, backend, control_group=control)
 
 
 if __name__ == "__main__":  # the module torchrun re-executes: one rank of `perfkit <argv>`
