@@ -1,0 +1,588 @@
+"""Weight quantisation of the Gemma4 decoder: FP8 (W8A8, e4m3) and NVFP4 (ModelOpt layout, W4A16 on Hopper).
+
+What is quantised (``quantize_model_``): every ``nn.Linear`` inside the decoder layers (attention q/k/v/o, dense
+MLP gate/up/down, PLE gate/projection of E2B/E4B) and the stacked MoE expert tensors (26B-A4B). Kept in the
+model dtype: the token embedding, which is also the (tied) LM head, the PLE embedding table and
+``per_layer_model_projection`` (outside the layers), norms, and the MoE router ``proj`` ([E, H], tiny, and its
+rounding would move top-k routing decisions; ModelOpt's recipes also leave MoE gates unquantised). A Linear whose
+dims do not fit the format (K % 16 for NVFP4, K and N % 16 for FP8) is left as is and listed in the report.
+
+Modules are swapped by name from outside (``setattr`` on the parent); ``model.py`` is untouched.
+
+Formats
+-------
+- ``fp8``: :class:`Fp8Linear` holds ``weight`` float8_e4m3fn [N, K] and ``weight_scale`` fp32 [N] (per output
+  channel, ``amax / 448``). Forward: per-token dynamic activation scales + ``torch._scaled_mm`` (row-wise
+  scales) on sm_89+ (backend ``fp8-scaled-mm``); elsewhere the same numerics in torch (``fp8-ref``).
+- ``nvfp4``: :class:`Nvfp4Linear` holds exactly the ModelOpt checkpoint tensors: ``weight`` uint8 [N, K/2]
+  (e2m1 pairs, low nibble first), ``weight_scale`` float8_e4m3fn [N, K/16], ``weight_scale_2`` fp32 scalar
+  (global), ``input_scale`` fp32 scalar (calibrated activation scale; 1.0 for random weights, only the native
+  FP4 path would use it, and that path computes the activation global scale dynamically). Backends:
+  ``w4a16-triton`` (sm_80/sm_90, and CPU under ``TRITON_INTERPRET=1``): :func:`w4a16_gemm`;
+  ``fp4-native`` (sm_100+ with FlashInfer's ``mm_fp4``; never on sm_90); ``w4a16-ref`` (CPU without the
+  interpreter): dequantise + matmul in torch.
+- Experts (:class:`QuantizedExperts`): the stacked ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] in
+  the same formats (NVFP4: one global scale per expert and per gate/up half, stored per row as
+  ``*_weight_scale_2`` [E, N]). Decode (<= 64 token-slots): per-row-expert W4A16 kernel (no host sync) or a
+  torch gather + dequant; prefill: tokens sorted by expert, one W4A16 GEMM per expert. FP8 experts are
+  weight-only (dequantise on the fly, activations not quantised) so decode and prefill share numerics.
+
+Loading ModelOpt NVFP4 checkpoints: :func:`load_nvfp4_checkpoint` (names ``<linear>.weight``, ``.weight_scale``,
+``.weight_scale_2``, ``.input_scale``; experts either stacked ``experts.gate_up_proj`` +
+``experts.gate_up_proj_weight_scale`` (+ ``_weight_scale_2``) or per expert ``experts.<e>.{gate,up,down}_proj.*``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from perfkit.errors import PerfkitError
+from perfkit.kernels.fp8 import (
+    dequantize_fp8_rowwise,
+    fp8_linear,
+    fp8_linear_ref,
+    fp8_supported,
+    quantize_fp8_rowwise,
+)
+from perfkit.kernels.w4a16_gemm import (
+    dequantize_nvfp4,
+    quantize_nvfp4,
+    w4a16_gemm,
+    w4a16_gemm_gathered,
+)
+
+SCHEMES = ("fp8", "nvfp4")
+EXCLUDED_IN_LAYERS = ("router.proj",)  # names (relative to a decoder layer) kept in the model dtype
+
+# --------------------------------------------------------------------------------------------------------------
+# Backend selection
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _flashinfer_fp4() -> Any | None:
+    """FlashInfer's FP4 GEMM entry points, or None (guarded import; only ever tried on sm_100+)."""
+    try:
+        import flashinfer  # noqa: PLC0415
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+    needed = ("mm_fp4", "fp4_quantize", "nvfp4_block_scale_interleave")
+    return flashinfer if all(hasattr(flashinfer, n) for n in needed) else None
+
+
+def nvfp4_backend(device: torch.device | str) -> str:
+    """``fp4-native`` on sm_100+ with FlashInfer FP4; ``w4a16-triton`` on other CUDA GPUs (sm_90: always) and on
+    CPU under the Triton interpreter; ``w4a16-ref`` on CPU otherwise."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device)[0] >= 10 and _flashinfer_fp4() is not None:
+            return "fp4-native"
+        return "w4a16-triton"
+    return "w4a16-triton" if _interpreting() else "w4a16-ref"
+
+
+def fp8_backend(device: torch.device | str) -> str:
+    return "fp8-scaled-mm" if fp8_supported(device) else "fp8-ref"
+
+
+def _flat(x: Tensor) -> Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Quantised linear modules
+# --------------------------------------------------------------------------------------------------------------
+
+
+class Fp8Linear(nn.Module):
+    """Drop-in for a bias-free ``nn.Linear``: e4m3 weight [N, K] + fp32 per-channel scales [N]."""
+
+    def __init__(self, in_features: int, out_features: int, device: torch.device | str | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32, device=device))
+        self.backend = "fp8-ref"
+        self.quantize_input = True  # False: weight-only (W8A16) numerics, for accuracy studies
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear) -> Fp8Linear:
+        m = cls(lin.in_features, lin.out_features, device=lin.weight.device)
+        m.weight, m.weight_scale = quantize_fp8_rowwise(lin.weight.detach())
+        m.backend = fp8_backend(lin.weight.device)
+        return m
+
+    def dequantized_weight(self) -> Tensor:
+        return dequantize_fp8_rowwise(self.weight, self.weight_scale)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = _flat(x)
+        if self.backend == "fp8-scaled-mm" and self.quantize_input:
+            y = fp8_linear(x2, self.weight, self.weight_scale)
+        else:
+            y = fp8_linear_ref(x2, self.weight, self.weight_scale, quantize_input=self.quantize_input)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, backend={self.backend}"
+
+
+class Nvfp4Linear(nn.Module):
+    """Drop-in for a bias-free ``nn.Linear`` holding the ModelOpt NVFP4 tensors (names = checkpoint names)."""
+
+    def __init__(self, in_features: int, out_features: int, device: torch.device | str | None = None):
+        super().__init__()
+        if in_features % 16:
+            raise ValueError(f"NVFP4 needs in_features % 16 == 0, got {in_features}")
+        self.in_features, self.out_features = in_features, out_features
+        N, K = out_features, in_features
+        self.register_buffer("weight", torch.empty(N, K // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scale", torch.empty(N, K // 16, dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer("weight_scale_2", torch.ones((), dtype=torch.float32, device=device))
+        self.register_buffer("input_scale", torch.ones((), dtype=torch.float32, device=device))
+        self.backend = "w4a16-ref"
+        self._native: tuple[Tensor, Tensor] | None = None  # (swizzled block scales, ...) prepared lazily
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear) -> Nvfp4Linear:
+        m = cls(lin.in_features, lin.out_features, device=lin.weight.device)
+        m.weight, m.weight_scale, gs = quantize_nvfp4(lin.weight.detach())
+        m.weight_scale_2 = gs.reshape(())
+        m.backend = nvfp4_backend(lin.weight.device)
+        return m
+
+    def dequantized_weight(self) -> Tensor:
+        return dequantize_nvfp4(self.weight, self.weight_scale, self.weight_scale_2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = _flat(x)
+        if self.backend == "w4a16-triton":
+            y = w4a16_gemm(x2, self.weight, self.weight_scale, self.weight_scale_2)
+        elif self.backend == "fp4-native":
+            y = self._forward_native(x2)
+        else:
+            y = (x2.float() @ self.dequantized_weight().T).to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _forward_native(self, x: Tensor) -> Tensor:
+        """Blackwell: NVFP4 activations (dynamic global scale) x NVFP4 weights through FlashInfer ``mm_fp4``.
+        Written against FlashInfer's documented API; not run on hardware by the author (no sm_100 here)."""
+        fi = _flashinfer_fp4()
+        assert fi is not None
+        if self._native is None:
+            sf = fi.nvfp4_block_scale_interleave(_pad_rows(self.weight_scale.view(torch.uint8), 128))
+            self._native = (sf, self.weight)
+        sf_w, w = self._native
+        x_gs = (448.0 * 6.0) / x.float().abs().amax().clamp(min=1e-12)  # 1 / activation global scale
+        xq, sf_x = fi.fp4_quantize(x.to(torch.bfloat16), x_gs, 16, False, True)
+        alpha = (self.weight_scale_2 / x_gs).reshape(1)
+        y = fi.mm_fp4(xq, w.T, sf_x, sf_w.T, alpha, torch.bfloat16, block_size=16)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, backend={self.backend}"
+
+
+def _pad_rows(t: Tensor, multiple: int) -> Tensor:
+    pad = (-t.shape[0]) % multiple
+    return t if pad == 0 else torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Quantised MoE experts
+# --------------------------------------------------------------------------------------------------------------
+
+
+class QuantizedExperts(nn.Module):
+    """Replacement for ``Gemma4Experts`` with quantised stacked weights; same forward signature
+    ``(x [T, H], idx [T, K], w [T, K]) -> [T, H]`` and the same gather (decode) / sorted (prefill) split."""
+
+    gather_max_rows = 64
+
+    def __init__(self, scheme: str, E: int, H: int, Im: int, device: torch.device | str | None = None):
+        super().__init__()
+        if scheme not in SCHEMES:
+            raise ValueError(f"scheme {scheme!r}: allowed values are {', '.join(SCHEMES)}")
+        self.scheme, self.num_experts, self.hidden, self.intermediate = scheme, E, H, Im
+        for name, (N, K) in {"gate_up_proj": (2 * Im, H), "down_proj": (H, Im)}.items():
+            if scheme == "nvfp4":
+                self.register_buffer(name, torch.empty(E, N, K // 2, dtype=torch.uint8, device=device))
+                self.register_buffer(
+                    f"{name}_weight_scale", torch.empty(E, N, K // 16, dtype=torch.float8_e4m3fn, device=device)
+                )
+                self.register_buffer(f"{name}_weight_scale_2", torch.ones(E, N, dtype=torch.float32, device=device))
+            else:
+                self.register_buffer(name, torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=device))
+                self.register_buffer(f"{name}_weight_scale", torch.empty(E, N, dtype=torch.float32, device=device))
+        self.backend = "fp8-dequant" if scheme == "fp8" else "w4a16-ref"
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module, scheme: str) -> QuantizedExperts:
+        gu, dn = experts.gate_up_proj.detach(), experts.down_proj.detach()
+        E, two_i, H = gu.shape
+        Im = two_i // 2
+        m = cls(scheme, E, H, Im, device=gu.device)
+        if scheme == "nvfp4":
+            # gate and up get their own global scale (as separate checkpoint tensors would), stored per row
+            q, s, gs = quantize_nvfp4(gu.view(E, 2, Im, H))  # gs [E, 2]
+            m.gate_up_proj, m.gate_up_proj_weight_scale = q.view(E, two_i, H // 2), s.view(E, two_i, H // 16)
+            m.gate_up_proj_weight_scale_2 = gs[:, :, None].expand(E, 2, Im).reshape(E, two_i).contiguous()
+            q, s, gs = quantize_nvfp4(dn)  # gs [E]
+            m.down_proj, m.down_proj_weight_scale = q, s
+            m.down_proj_weight_scale_2 = gs[:, None].expand(E, H).contiguous()
+            m.backend = "w4a16-triton" if nvfp4_backend(gu.device) != "w4a16-ref" else "w4a16-ref"
+        else:
+            m.gate_up_proj, m.gate_up_proj_weight_scale = quantize_fp8_rowwise(gu)
+            m.down_proj, m.down_proj_weight_scale = quantize_fp8_rowwise(dn)
+        return m
+
+    def _dequant(self, name: str, e: Tensor | int) -> Tensor:
+        """fp32 weights of expert(s) ``e`` (an index or an index tensor): [..., N, K]."""
+        q, s = getattr(self, name)[e], getattr(self, f"{name}_weight_scale")[e]
+        if self.scheme == "fp8":
+            return dequantize_fp8_rowwise(q, s)
+        return dequantize_nvfp4(q, s, getattr(self, f"{name}_weight_scale_2")[e])
+
+    def dequantized_weights(self) -> dict[str, Tensor]:
+        all_e = torch.arange(self.num_experts, device=self.gate_up_proj.device)
+        return {name: self._dequant(name, all_e) for name in ("gate_up_proj", "down_proj")}
+
+    def _mm(self, name: str, x: Tensor, e: int) -> Tensor:  # x [n, K] against expert e -> [n, N]
+        if self.scheme == "nvfp4" and self.backend == "w4a16-triton":
+            return w4a16_gemm(
+                x, getattr(self, name)[e], getattr(self, f"{name}_weight_scale")[e],
+                getattr(self, f"{name}_weight_scale_2")[e],
+            )  # fmt: skip
+        return (x.float() @ self._dequant(name, e).T).to(x.dtype)
+
+    def _mm_rows(self, name: str, x: Tensor, ids: Tensor) -> Tensor:  # row r against expert ids[r]
+        if self.scheme == "nvfp4" and self.backend == "w4a16-triton":
+            return w4a16_gemm_gathered(
+                x, getattr(self, name), getattr(self, f"{name}_weight_scale"),
+                getattr(self, f"{name}_weight_scale_2"), ids,
+            )  # fmt: skip
+        return (self._dequant(name, ids) @ x.float()[:, :, None])[:, :, 0].to(x.dtype)
+
+    def forward(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+        if idx.numel() <= self.gather_max_rows:
+            return self.forward_gather(x, idx, w)
+        return self.forward_sorted(x, idx, w)
+
+    def _act(self, gate_up: Tensor) -> Tensor:
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def forward_gather(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+        T, K = idx.shape
+        flat = idx.reshape(-1)
+        xs = x.repeat_interleave(K, dim=0)  # [T*K, H]
+        y = self._mm_rows("down_proj", self._act(self._mm_rows("gate_up_proj", xs, flat)), flat)
+        y = (y * w.reshape(-1, 1)).to(x.dtype)
+        return y.view(T, K, -1).sum(dim=1)
+
+    def forward_sorted(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+        T, K = idx.shape
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host sync (as Gemma4Experts)
+        token = order // K
+        xs = x[token]
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                seg = xs[start : start + n]
+                ys[start : start + n] = self._mm("down_proj", self._act(self._mm("gate_up_proj", seg, e)), e)
+                start += n
+        ys = (ys * w.reshape(-1)[order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token, ys)
+
+    def extra_repr(self) -> str:
+        return (
+            f"scheme={self.scheme}, experts={self.num_experts}, hidden={self.hidden}, "
+            f"intermediate={self.intermediate}, backend={self.backend}"
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Model-level quantisation
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class QuantReport:
+    scheme: str
+    backend: str  # linear layers
+    expert_backend: str | None  # MoE experts (None: no MoE)
+    quantized_bytes_before: int  # bytes of the tensors that were quantised, in the original dtype
+    quantized_bytes_after: int  # bytes of their quantised replacements (values + all scales)
+    model_bytes_before: int
+    model_bytes_after: int
+    num_linear: int
+    num_expert_modules: int
+    kept: list[str] = field(default_factory=list)  # decoder-layer linears left unquantised (with the reason)
+
+    @property
+    def compression(self) -> float:
+        return self.quantized_bytes_before / max(self.quantized_bytes_after, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "compression": self.compression}
+
+
+def _tensor_bytes(m: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+
+
+def _decoder_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Linear]]:
+    """(full name, parent module, attribute, linear) for every nn.Linear inside model.layers."""
+    for i, layer in enumerate(model.layers):
+        for name, mod in list(layer.named_modules()):
+            if isinstance(mod, nn.Linear):
+                parent_name, _, attr = name.rpartition(".")
+                parent = layer.get_submodule(parent_name) if parent_name else layer
+                yield f"layers.{i}.{name}", parent, attr, mod
+
+
+def _is_excluded(full_name: str) -> bool:
+    return any(full_name.endswith(x) for x in EXCLUDED_IN_LAYERS)
+
+
+def _fits(scheme: str, lin: nn.Linear) -> str | None:
+    if lin.bias is not None:
+        return "has a bias"
+    if lin.in_features % 16:
+        return f"in_features {lin.in_features} % 16 != 0"
+    if scheme == "fp8" and lin.out_features % 16:
+        return f"out_features {lin.out_features} % 16 != 0"
+    return None
+
+
+@torch.no_grad()
+def quantize_model_(model: nn.Module, scheme: str, include_experts: bool = True) -> QuantReport:
+    """Quantise the decoder layers of a Gemma4ForCausalLM in place (module swap) from its current weights;
+    returns the report (also stored as ``model.quant_report``). See the module docstring for what is kept."""
+    if scheme not in SCHEMES:
+        raise PerfkitError(f"quant scheme {scheme!r}: allowed values are {', '.join(SCHEMES)}")
+    if getattr(model, "quant_report", None) is not None:
+        raise PerfkitError(f"model is already quantised ({model.quant_report.scheme})")
+    device = next(model.parameters()).device
+    model_before = _tensor_bytes(model)
+    before = after = n_lin = n_exp = 0
+    kept: list[str] = []
+    make = Fp8Linear.from_linear if scheme == "fp8" else Nvfp4Linear.from_linear
+    for full, parent, attr, lin in _decoder_linears(model):
+        if _is_excluded(full):
+            kept.append(f"{full} (excluded: MoE router)")
+            continue
+        why = _fits(scheme, lin)
+        if why:
+            kept.append(f"{full} ({why})")
+            continue
+        q = make(lin)
+        before += _tensor_bytes(lin)
+        after += _tensor_bytes(q)
+        setattr(parent, attr, q)
+        n_lin += 1
+    expert_backend = None
+    if include_experts:
+        for layer in model.layers:
+            experts = getattr(layer, "experts", None)
+            if experts is None or isinstance(experts, QuantizedExperts):
+                continue
+            q = QuantizedExperts.from_experts(experts, scheme)
+            before += _tensor_bytes(experts)
+            after += _tensor_bytes(q)
+            layer.experts = q
+            expert_backend = q.backend
+            n_exp += 1
+    report = QuantReport(
+        scheme=scheme,
+        backend=fp8_backend(device) if scheme == "fp8" else nvfp4_backend(device),
+        expert_backend=expert_backend,
+        quantized_bytes_before=before,
+        quantized_bytes_after=after,
+        model_bytes_before=model_before,
+        model_bytes_after=_tensor_bytes(model),
+        num_linear=n_lin,
+        num_expert_modules=n_exp,
+        kept=kept,
+    )
+    model.quant_report = report
+    return report
+
+
+def apply_quant(model: nn.Module, scheme: str) -> QuantReport | None:
+    """What the runner calls for ``ModelConfig.quant``: ``bf16`` -> nothing (None); ``fp8`` | ``nvfp4`` ->
+    quantise the (random / bf16-loaded) weights in place, or, when the model was already loaded quantised
+    (:func:`load_nvfp4_checkpoint`), return its report after checking the scheme matches."""
+    if scheme == "bf16":
+        return None
+    existing = getattr(model, "quant_report", None)
+    if existing is not None:
+        if existing.scheme != scheme:
+            raise PerfkitError(f"model is already quantised as {existing.scheme}, config asks for {scheme}")
+        return existing
+    return quantize_model_(model, scheme)
+
+
+@torch.no_grad()
+def dequantized_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """fp32 dequantised weights of every quantised module under their ORIGINAL parameter names
+    (``layers.0.self_attn.q_proj.weight``, ``layers.0.experts.gate_up_proj``): load them into an unquantised
+    model of the same config to get the reference the quantised model should reproduce."""
+    out: dict[str, Tensor] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, (Fp8Linear, Nvfp4Linear)):
+            out[f"{name}.weight"] = mod.dequantized_weight()
+        elif isinstance(mod, QuantizedExperts):
+            for p, w in mod.dequantized_weights().items():
+                out[f"{name}.{p}"] = w
+    return out
+
+
+@torch.no_grad()
+def load_dequantized_(ref_model: nn.Module, quantized_model: nn.Module) -> None:
+    """Copy ``dequantized_state_dict(quantized_model)`` into the unquantised ``ref_model`` (cast to its dtype)."""
+    params = dict(ref_model.named_parameters())
+    for name, w in dequantized_state_dict(quantized_model).items():
+        params[name].copy_(w)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# ModelOpt NVFP4 checkpoints
+# --------------------------------------------------------------------------------------------------------------
+
+_EXPERT_PROJ = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def is_modelopt_nvfp4(path: str | Path) -> bool:
+    """True if the checkpoint declares ModelOpt NVFP4 (config.json quantization_config or hf_quant_config.json)."""
+    import json  # noqa: PLC0415
+
+    p = Path(path)
+    cands = []
+    if (p / "config.json").exists():
+        cands.append(json.loads((p / "config.json").read_text()).get("quantization_config") or {})
+    if (p / "hf_quant_config.json").exists():
+        cands.append(json.loads((p / "hf_quant_config.json").read_text()).get("quantization") or {})
+    return any(str(c.get("quant_algo", "")).upper() == "NVFP4" for c in cands)
+
+
+@torch.no_grad()
+def load_nvfp4_checkpoint(
+    path: str | Path, device: torch.device | str, dtype: torch.dtype = torch.bfloat16, cfg: Any = None
+) -> nn.Module:
+    """Build a Gemma4ForCausalLM from a ModelOpt NVFP4 HF checkpoint: a decoder Linear with a
+    ``<name>.weight_scale`` tensor becomes an :class:`Nvfp4Linear` (its four tensors copied as stored), the rest
+    loads as in ``weights.load_hf_weights_``. Sets ``model.quant_report``."""
+    from perfkit.runtime.model import Gemma4ForCausalLM  # noqa: PLC0415
+    from perfkit.runtime.model_config import from_hf_config  # noqa: PLC0415
+    from perfkit.runtime.weights import load_hf_state  # noqa: PLC0415
+
+    state = load_hf_state(path)
+    cfg = cfg or from_hf_config(state.config, name=Path(path).name)
+    device = torch.device(device)
+    model = Gemma4ForCausalLM(cfg, device="meta", dtype=dtype)
+    n_lin = n_exp = 0
+    kept: list[str] = []
+    for full, parent, attr, lin in _decoder_linears(model):
+        if state.text_name(f"{full}.weight_scale") is None:
+            kept.append(f"{full} (not quantised in the checkpoint)")
+            continue
+        setattr(parent, attr, Nvfp4Linear(lin.in_features, lin.out_features, device="meta"))
+        n_lin += 1
+    per_expert: set[str] = set()
+    for i, layer in enumerate(model.layers):
+        experts = getattr(layer, "experts", None)
+        if experts is None:
+            continue
+        prefix = f"layers.{i}.experts"
+        stacked = state.text_name(f"{prefix}.gate_up_proj_weight_scale") is not None
+        unfused = state.text_name(f"{prefix}.0.gate_proj.weight_scale") is not None
+        if not (stacked or unfused):
+            continue
+        E, two_i, H = experts.gate_up_proj.shape
+        layer.experts = QuantizedExperts("nvfp4", E, H, two_i // 2, device="meta")
+        if unfused:
+            per_expert.add(prefix)
+        n_exp += 1
+    model.to_empty(device=device)
+    model.requires_grad_(False)
+    for name, t in model.state_dict(keep_vars=True).items():
+        prefix, _, leaf = name.rpartition(".")
+        if prefix in per_expert:
+            _load_per_expert(state, prefix, leaf, t)
+            continue
+        key = state.text_name(name)
+        if key is None:
+            if leaf == "input_scale":  # optional (weight-only exports)
+                t.fill_(1.0)
+                continue
+            raise PerfkitError(f"checkpoint {state.path}: missing tensor {name} (shape {list(t.shape)})")
+        src = state[key]
+        if src.numel() != t.numel():
+            raise PerfkitError(f"checkpoint {state.path}: {key} has shape {list(src.shape)}, expected {list(t.shape)}")
+        t.copy_(src.reshape(t.shape))
+    for mod in model.modules():
+        if isinstance(mod, Nvfp4Linear):
+            mod.backend = nvfp4_backend(device)
+        elif isinstance(mod, QuantizedExperts):
+            mod.backend = "w4a16-triton" if nvfp4_backend(device) != "w4a16-ref" else "w4a16-ref"
+    model.eval()
+    model.setup_rope()
+    model.quant_report = QuantReport(
+        scheme="nvfp4", backend=nvfp4_backend(device),
+        expert_backend=("w4a16-triton" if nvfp4_backend(device) != "w4a16-ref" else "w4a16-ref") if n_exp else None,
+        quantized_bytes_before=0, quantized_bytes_after=0, model_bytes_before=0,
+        model_bytes_after=_tensor_bytes(model), num_linear=n_lin, num_expert_modules=n_exp, kept=kept,
+    )  # fmt: skip
+    return model
+
+
+def _load_per_expert(state: Any, prefix: str, leaf: str, t: Tensor) -> None:
+    """Fill a stacked QuantizedExperts buffer from per-expert ``<prefix>.<e>.<proj>.<tensor>`` checkpoint keys."""
+    if leaf.endswith("_weight_scale"):
+        base, suffix = leaf[: -len("_weight_scale")], "weight_scale"
+    elif leaf.endswith("_weight_scale_2"):
+        base, suffix = leaf[: -len("_weight_scale_2")], "weight_scale_2"
+    else:
+        base, suffix = leaf, "weight"
+    projs = _EXPERT_PROJ[base]
+    E = t.shape[0]
+    rows = t.shape[1] // len(projs)
+    for e in range(E):
+        for j, proj in enumerate(projs):
+            key = state.text_name(f"{prefix}.{e}.{proj}.{suffix}")
+            if key is None:
+                raise PerfkitError(f"checkpoint {state.path}: missing tensor {prefix}.{e}.{proj}.{suffix}")
+            src = state[key]
+            dst = t[e, j * rows : (j + 1) * rows]
+            dst.copy_(src.reshape(-1).expand(rows) if suffix == "weight_scale_2" else src.reshape(dst.shape))
+
+
+__all__ = [
+    "Fp8Linear",
+    "Nvfp4Linear",
+    "QuantReport",
+    "QuantizedExperts",
+    "apply_quant",
+    "dequantized_state_dict",
+    "fp8_backend",
+    "is_modelopt_nvfp4",
+    "load_dequantized_",
+    "load_nvfp4_checkpoint",
+    "nvfp4_backend",
+    "quantize_model_",
+]
