@@ -4,11 +4,19 @@ Module and parameter names follow HF's `Gemma4TextModel` so checkpoint keys map 
 `model.language_model.` / `model.` prefix is stripped. Shapes: T tokens in the step, H hidden, nh query heads,
 kvh KV heads, hd head dim of the layer (256 sliding / 512 full), L layers, P PLE width, E experts, K top-k.
 All matmuls run in the weight dtype; norms, softmax and the final soft-cap run in fp32.
+
+Fused path (`model.set_fused(True)`, default off): the norms, the GeGLU activations, q/k-norm + RoPE (+ v_norm) and
+the MoE block run through the Triton kernels in perfkit/kernels/ (rmsnorm, gelu_mul, qk_norm_rope, moe); the
+decoder layer then fuses each post-norm + residual add with the pre-norms that read the new residual (sandwich).
+Module structure, nn.Linear attributes and parameter names are the same on both paths; triton is imported only
+when the fused path is switched on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +24,23 @@ from torch import Tensor, nn
 
 from perfkit.runtime.attention.base import AttentionBackend, AttnLayer
 from perfkit.runtime.model_config import Gemma4Config
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    """The fused Triton ops, imported on first use (TRITON_INTERPRET must be set before this on CPU)."""
+    from perfkit.kernels import gelu_mul, moe, qk_norm_rope, rmsnorm
+
+    return SimpleNamespace(
+        rmsnorm=rmsnorm.rmsnorm,
+        sandwich=rmsnorm.sandwich_rmsnorm,
+        gelu_mul=gelu_mul.gelu_mul,
+        qk_norm_rope=qk_norm_rope.qk_norm_rope,
+        k_norm_rope_v_norm=qk_norm_rope.k_norm_rope_v_norm,
+        head_norm=qk_norm_rope.head_norm,
+        moe_routing=moe.moe_routing,
+        fused_moe=moe.fused_moe,
+    )
 
 
 def gelu_tanh(x: Tensor) -> Tensor:
@@ -32,12 +57,16 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
 
 
 class RMSNorm(nn.Module):
+    fused = False  # set by Gemma4ForCausalLM.set_fused
+
     def __init__(self, dim: int, eps: float, with_scale: bool = True):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused:
+            return _kernels().rmsnorm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -82,6 +111,8 @@ class RopeTables:
 
 
 class Gemma4MLP(nn.Module):
+    fused = False
+
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)  # [I, H]
@@ -89,10 +120,14 @@ class Gemma4MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)  # [H, I]
 
     def forward(self, x: Tensor) -> Tensor:  # [T, H] -> [T, H]
+        if self.fused:
+            return self.down_proj(_kernels().gelu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Gemma4Attention(nn.Module):
+    fused = False
+
     def __init__(self, cfg: Gemma4Config, layer: AttnLayer):
         super().__init__()
         self.layer = layer
@@ -108,6 +143,8 @@ class Gemma4Attention(nn.Module):
             self.v_proj = None if cfg.layer_k_eq_v(layer.index) else nn.Linear(H, kvh * hd, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+        if self.fused:
+            return self.forward_fused(x, cos, sin, attn)
         T, hd = x.shape[0], self.layer.head_dim
         q = apply_rope(self.q_norm(self.q_proj(x).view(T, -1, hd)), cos, sin)  # [T, nh, hd]
         k = v = None
@@ -117,6 +154,21 @@ class Gemma4Attention(nn.Module):
             k = apply_rope(self.k_norm(k_raw), cos, sin)
             v = rms_norm(v_raw, None, self.eps)  # v_norm: no weight, no rope
         o = attn.attend(self.layer, q, k, v)  # [T, nh, hd]
+        return self.o_proj(o.reshape(T, -1))
+
+    def forward_fused(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+        """q/k norm + RoPE in one kernel each; K=V layers get k and v_norm(k_raw) from one read of k_raw."""
+        K, T, hd = _kernels(), x.shape[0], self.layer.head_dim
+        q = K.qk_norm_rope(self.q_proj(x).view(T, -1, hd), self.q_norm.weight, cos, sin, self.eps)
+        k = v = None
+        if self.layer.writes_kv:
+            k_raw = self.k_proj(x).view(T, -1, hd)
+            if self.v_proj is None:
+                k, v = K.k_norm_rope_v_norm(k_raw, self.k_norm.weight, cos, sin, self.eps)
+            else:
+                k = K.qk_norm_rope(k_raw, self.k_norm.weight, cos, sin, self.eps)
+                v = K.head_norm(self.v_proj(x).view(T, -1, hd), None, self.eps)
+        o = attn.attend(self.layer, q, k, v)
         return self.o_proj(o.reshape(T, -1))
 
 
@@ -144,6 +196,7 @@ class Gemma4Experts(nn.Module):
     """E GeGLU experts as stacked 3-D weights (HF layout). No Python loop over all E experts."""
 
     gather_max_rows = 64  # T*K at or below this: gather the chosen experts' weights (no host sync; decode)
+    fused = False
 
     def __init__(self, cfg: Gemma4Config):
         super().__init__()
@@ -153,6 +206,8 @@ class Gemma4Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, H, Im))
 
     def forward(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:  # x [T, H], idx/w [T, K] -> [T, H]
+        if self.fused:  # grouped Triton GEMMs, any T, no host sync
+            return _kernels().fused_moe(x, self.gate_up_proj, self.down_proj, w, idx)
         if idx.numel() <= self.gather_max_rows:
             return self.forward_gather(x, idx, w)
         return self.forward_sorted(x, idx, w)
@@ -188,6 +243,8 @@ class Gemma4Experts(nn.Module):
 
 
 class Gemma4DecoderLayer(nn.Module):
+    fused = False
+
     def __init__(self, cfg: Gemma4Config, layer: AttnLayer):
         super().__init__()
         H, eps, i = cfg.hidden_size, cfg.rms_norm_eps, layer.index
@@ -216,6 +273,8 @@ class Gemma4DecoderLayer(nn.Module):
     def forward(
         self, h: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionBackend, ple: Tensor | None
     ) -> Tensor:  # h [T, H]; ple [T, P] or None
+        if self.fused:
+            return self.forward_fused(h, rope, attn, ple)
         r = h
         h = r + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), *rope, attn))
         r = h
@@ -229,6 +288,34 @@ class Gemma4DecoderLayer(nn.Module):
             g = gelu_tanh(self.per_layer_input_gate(h)) * ple  # [T, P]
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
         return h * self.layer_scalar  # scales the whole residual stream
+
+    def forward_fused(
+        self, h: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionBackend, ple: Tensor | None
+    ) -> Tensor:
+        """Same math as `forward`; each post-norm + residual add also emits the pre-norms of the new residual
+        (pre_feedforward_layernorm; MoE: pre_feedforward_layernorm_2 and the router's scaled norm), the MoE
+        layer's two post-FFN norms are folded into the post_feedforward sandwich, layer_scalar into the last one."""
+        K, eps = _kernels(), self.input_layernorm.eps
+        a = self.self_attn(K.rmsnorm(h, self.input_layernorm.weight, eps), *rope, attn)
+        nxt, mults = [self.pre_feedforward_layernorm.weight], [1.0]
+        if self.enable_moe_block:
+            nxt += [self.pre_feedforward_layernorm_2.weight, self.router.scale]
+            mults += [1.0, self.router.scalar_root_size]
+        r, ys = K.sandwich(a, h, self.post_attention_layernorm.weight, eps, next_weights=nxt, next_mults=mults)
+        m = self.mlp(ys[0])
+        scalar = None if self.has_ple else self.layer_scalar
+        x2 = None
+        if self.enable_moe_block:
+            w, idx = K.moe_routing(self.router.proj(ys[2]), self.router.top_k, self.router.per_expert_scale)
+            e = self.experts(ys[1], idx, w)
+            x2 = (e, self.post_feedforward_layernorm_1.weight, self.post_feedforward_layernorm_2.weight)
+        h, _ = K.sandwich(m, r, self.post_feedforward_layernorm.weight, eps, x2=x2, scalar=scalar)
+        if self.has_ple:
+            g = K.gelu_mul(self.per_layer_input_gate(h), ple)  # [T, P]
+            h, _ = K.sandwich(
+                self.per_layer_projection(g), h, self.post_per_layer_input_norm.weight, eps, scalar=self.layer_scalar
+            )
+        return h
 
 
 class Gemma4ForCausalLM(nn.Module):
@@ -251,6 +338,21 @@ class Gemma4ForCausalLM(nn.Module):
         if dtype is not None:
             self.to(dtype)
         self.rope: RopeTables | None = None
+        self.fused = False
+
+    def set_fused(self, on: bool) -> None:
+        """Route norms, GeGLU, q/k-norm + RoPE and MoE through the Triton kernels (True) or PyTorch (False).
+
+        Switchable on a live model (A/B arms share the weights); both paths compute the same function (fp32 math
+        inside the kernels, so bf16 results differ by rounding). CUDA graphs captured under one setting replay it.
+        """
+        on = bool(on)
+        if on:
+            _kernels()  # import triton now: fail here rather than inside a forward
+        self.fused = on
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Gemma4MLP, Gemma4Attention, Gemma4Experts, Gemma4DecoderLayer)):
+                m.fused = on
 
     # ---- helpers -----------------------------------------------------------------------------------------------
     @property

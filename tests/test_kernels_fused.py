@@ -1,0 +1,451 @@
+"""Fused Triton kernels (rmsnorm, gelu_mul, qk_norm_rope, moe) against their PyTorch references, their traffic
+formulas against hand counts, and the model's fused path (`set_fused(True)`) against the unfused one.
+
+On CPU the kernels run under TRITON_INTERPRET=1 (set before triton is imported). Tolerances: fp32 io, the kernel
+and the reference differ only in summation order: atol/rtol 1e-5. bf16 io: the kernels compute in fp32 and round
+once, so they are compared with the reference evaluated in fp32 on the same bf16 inputs: rtol 2^-7 (two bf16
+ulps), atol 1e-2 x the output scale; MoE rounds its [T*K, I] / [T*K, H] intermediates to bf16 too: 2e-2.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from perfkit.kernels.gelu_mul import gelu_mul, gelu_mul_cat, gelu_mul_ref, gelu_mul_traffic  # noqa: E402
+from perfkit.kernels.moe import (  # noqa: E402
+    expected_active_experts,
+    fused_moe,
+    fused_moe_ref,
+    fused_moe_traffic,
+    moe_align,
+    moe_routing,
+    moe_routing_ref,
+)
+from perfkit.kernels.qk_norm_rope import (  # noqa: E402
+    head_norm,
+    head_norm_ref,
+    k_norm_rope_v_norm,
+    k_norm_rope_v_norm_ref,
+    qk_norm_rope,
+    qk_norm_rope_ref,
+    qk_norm_rope_traffic,
+)
+from perfkit.kernels.rmsnorm import (  # noqa: E402
+    rmsnorm,
+    rmsnorm_ref,
+    rmsnorm_traffic,
+    sandwich_rmsnorm,
+    sandwich_rmsnorm_ref,
+    sandwich_rmsnorm_traffic,
+)
+from perfkit.runtime.attention.contiguous import ContiguousAttention  # noqa: E402
+from perfkit.runtime.generate import greedy_generate  # noqa: E402
+from perfkit.runtime.model import rope_inv_freq  # noqa: E402
+from perfkit.runtime.model_config import get_preset  # noqa: E402
+from perfkit.runtime.weights import build_model  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-6
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _rand(*shape, dtype=torch.float32, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(device=DEVICE, dtype=dtype)
+
+
+def _f32(x):
+    return None if x is None else x.float()
+
+
+def check(out, ref, dtype, rtol=None, atol_rel=1e-2):
+    """out (kernel, dtype io) vs ref (the reference evaluated in fp32 on the same inputs)."""
+    out, ref = out.float(), ref.float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        scale = ref.abs().max().item() or 1.0
+        torch.testing.assert_close(out, ref, rtol=rtol or 2**-7, atol=atol_rel * scale)
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# rmsnorm
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 300), (1, 1000), (5, 3, 40), (3, 2, 96)])
+@pytest.mark.parametrize("with_w", [True, False])
+def test_rmsnorm(dtype, shape, with_w):
+    x = _rand(*shape, dtype=dtype, scale=3.0)
+    w = _rand(shape[-1], dtype=dtype, seed=1) if with_w else None
+    check(rmsnorm(x, w, EPS), rmsnorm_ref(x.float(), _f32(w), EPS), dtype)
+    check(rmsnorm(x, w, EPS, out_scale=0.25), rmsnorm_ref(x.float(), _f32(w), EPS, out_scale=0.25), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_residual_and_strided_rows(dtype):
+    big = _rand(6, 2 * 300, dtype=dtype)
+    x = big[:, 100:400]  # row-strided view
+    r, w = _rand(6, 300, dtype=dtype, seed=2), _rand(300, dtype=dtype, seed=3)
+    y, s = rmsnorm(x, w, EPS, residual=r)
+    y_ref, s_ref = rmsnorm_ref(x.float(), w.float(), EPS, residual=r.float())
+    check(s, s_ref, dtype)
+    check(y, y_ref, dtype)
+    assert y.shape == s.shape == x.shape and y.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "kind", ["plain", "next1", "moe3", "x2_scalar", "strided"], ids=["plain", "next1", "moe3", "x2_scalar", "strided"]
+)
+def test_sandwich(dtype, kind):
+    R, N = 5, 200
+    x, res = _rand(R, N, dtype=dtype, seed=4), _rand(R, N, dtype=dtype, seed=5)
+    w, wa, wb = (_rand(N, dtype=dtype, seed=s) for s in (6, 7, 8))
+    kw = {}
+    if kind == "next1":
+        kw = {"next_weights": [wa]}
+    elif kind == "moe3":
+        kw = {"next_weights": [wa, wb, w], "next_mults": [1.0, 1.0, N**-0.5]}
+    elif kind == "x2_scalar":
+        e = _rand(R, N, dtype=dtype, seed=9, scale=10.0)
+        kw = {"x2": (e, wa, wb), "scalar": torch.tensor([0.7], device=DEVICE, dtype=dtype)}
+    elif kind == "strided":
+        x = _rand(R, 3 * N, dtype=dtype, seed=10)[:, N : 2 * N]
+        kw = {"next_weights": [wa]}
+    h, ys = sandwich_rmsnorm(x, res, w, EPS, **kw)
+    kw32 = {
+        k: (tuple(t.float() for t in v) if k == "x2" else [t.float() for t in v] if k == "next_weights" else v)
+        for k, v in kw.items()
+    }
+    if "scalar" in kw32:
+        kw32["scalar"] = kw32["scalar"].float()
+    h_ref, ys_ref = sandwich_rmsnorm_ref(x.float(), res.float(), w.float(), EPS, **kw32)
+    check(h, h_ref, dtype)
+    assert len(ys) == len(ys_ref) == len(kw.get("next_weights", ()))
+    for y, y_ref in zip(ys, ys_ref, strict=True):
+        check(y, y_ref, dtype)
+
+
+def test_sandwich_rejects_bad_shapes():
+    x = _rand(3, 8)
+    with pytest.raises(ValueError):
+        sandwich_rmsnorm(x, _rand(3, 9), _rand(8), EPS)
+    with pytest.raises(ValueError):
+        sandwich_rmsnorm(x, x, _rand(8), EPS, next_weights=[x[0]] * 4)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# gelu_mul
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 37), (3, 4, 1500), (1, 2049)])
+def test_gelu_mul(dtype, shape):
+    g, u = _rand(*shape, dtype=dtype, scale=4.0), _rand(*shape, dtype=dtype, seed=1)
+    check(gelu_mul(g, u), gelu_mul_ref(g.float(), u.float()), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_mul_cat_layout(dtype):
+    gu = _rand(6, 2 * 45, dtype=dtype, scale=3.0)
+    check(gelu_mul_cat(gu), gelu_mul_ref(gu[:, :45].float(), gu[:, 45:].float()), dtype)
+
+
+def test_gelu_mul_extremes():
+    g = torch.tensor([-1e4, -100.0, -20.0, -5.0, -1.0, 0.0, 1.0, 5.0, 20.0, 100.0, 1e4], device=DEVICE)
+    out = gelu_mul(g, torch.ones_like(g))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, gelu_mul_ref(g.double(), torch.ones_like(g).double()).float(), atol=1e-6, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# qk_norm_rope
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _tables(sliding: bool, positions, dtype):
+    inv = rope_inv_freq(get_preset("31b"), sliding)  # [hd/2]: 128 live (hd 256) or 64 live of 256 (hd 512)
+    f = torch.tensor(positions, dtype=torch.float)[:, None] * inv[None, :]
+    return f.cos().to(DEVICE, dtype), f.sin().to(DEVICE, dtype)
+
+
+POS = [0, 5, 1000, 77, 3]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sliding", [True, False], ids=["hd256", "hd512"])
+def test_qk_norm_rope(dtype, sliding):
+    hd = 256 if sliding else 512
+    cos, sin = _tables(sliding, POS, dtype)
+    x, w = _rand(len(POS), 3, hd, dtype=dtype, scale=2.0), _rand(hd, dtype=dtype, seed=1)
+    args32 = (w.float(), cos.float(), sin.float(), EPS)
+    check(qk_norm_rope(x, w, cos, sin, EPS), qk_norm_rope_ref(x.float(), *args32), dtype)
+    k, v = k_norm_rope_v_norm(x, w, cos, sin, EPS)
+    k_ref, v_ref = k_norm_rope_v_norm_ref(x.float(), *args32)
+    check(k, k_ref, dtype)
+    check(v, v_ref, dtype)
+    check(head_norm(x, None, EPS), head_norm_ref(x.float(), None, EPS), dtype)
+    check(head_norm(x, w, EPS), head_norm_ref(x.float(), w.float(), EPS), dtype)
+
+
+def test_qk_norm_rope_odd_shapes_and_strides():
+    T, nh, hd = 3, 5, 24  # half = 12: not a power of two
+    qkv = _rand(T, 3 * nh * hd)
+    x = qkv[:, nh * hd : 2 * nh * hd].view(T, nh, hd)  # row-strided view of a fused projection
+    f = torch.rand(T, hd // 2, generator=torch.Generator().manual_seed(3)) * 6
+    cos, sin = f.cos().to(DEVICE), f.sin().to(DEVICE)
+    w = _rand(hd, seed=4)
+    check(qk_norm_rope(x, w, cos, sin, EPS), qk_norm_rope_ref(x, w, cos, sin, EPS), torch.float32)
+
+
+def test_proportional_rope_rotates_only_pairs_0_63_and_256_319():
+    """hd 512: explicit construction. Dims 64..255 and 320..511 are the normed input; pair (d, d+256), d < 64,
+    is rotated by the angle pos * 1e6^(-2d/512)."""
+    T, nh, hd = len(POS), 2, 512
+    cos, sin = _tables(False, POS, torch.float32)
+    x, w = _rand(T, nh, hd, scale=2.0), _rand(hd, seed=1)
+    out = qk_norm_rope(x, w, cos, sin, EPS).cpu().double()
+    y = head_norm_ref(x, w, EPS).cpu().double()
+    keep = torch.cat([torch.arange(64, 256), torch.arange(320, 512)])
+    torch.testing.assert_close(out[..., keep], y[..., keep], atol=1e-5, rtol=1e-5)
+    d = torch.arange(64, dtype=torch.double)
+    ang = torch.tensor(POS, dtype=torch.double)[:, None] * 1e6 ** (-2 * d / 512)  # [T, 64]
+    c, s = ang.cos()[:, None], ang.sin()[:, None]
+    y1, y2 = y[..., :64], y[..., 256:320]
+    # the model's tables are fp32 (angle pos * inv_freq rounded: ~1e-4 rad at pos 1000), the angles here fp64
+    torch.testing.assert_close(out[..., :64], y1 * c - y2 * s, atol=5e-4, rtol=0)
+    torch.testing.assert_close(out[..., 256:320], y2 * c + y1 * s, atol=5e-4, rtol=0)
+    assert not torch.allclose(out[..., 1:64], y[..., 1:64], atol=1e-2)  # the live pairs did rotate
+
+
+# --------------------------------------------------------------------------------------------------------------
+# moe
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("E,K,T", [(16, 4, 9), (128, 8, 3), (10, 3, 1)])
+def test_moe_routing(dtype, E, K, T):
+    logits = _rand(T, E, dtype=dtype, scale=2.0)
+    scale = (torch.rand(E, generator=torch.Generator().manual_seed(1)) + 0.5).to(DEVICE, dtype)
+    w, idx = moe_routing(logits, K, scale)
+    w_ref, idx_ref = moe_routing_ref(logits, K, scale)
+    assert idx.dtype == torch.int32 and w.dtype == torch.float32
+    assert torch.equal(idx.long(), idx_ref)
+    torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_align_layout():
+    g = torch.Generator().manual_seed(0)
+    E, K, T, bm = 6, 2, 11, 4
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(DEVICE)
+    sorted_ids, block_expert = moe_align(idx, E, bm)
+    P = T * K
+    n_blocks = math.ceil(P / bm) + min(E, P)
+    assert sorted_ids.numel() == n_blocks * bm and block_expert.numel() == n_blocks
+    flat, ids, be = idx.reshape(-1).cpu(), sorted_ids.cpu().view(n_blocks, bm), block_expert.cpu()
+    seen = []
+    for b in range(n_blocks):
+        rows = ids[b][ids[b] < P]
+        if be[b] == E:
+            assert rows.numel() == 0
+            continue
+        assert rows.numel() > 0 and torch.all(flat[rows] == be[b])
+        seen += rows.tolist()
+    assert sorted(seen) == list(range(P))  # every pair exactly once
+    assert torch.all(be[:-1] <= be[1:])  # grouped by expert
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 7, 300], ids=["decode1", "decode7", "prefill_tiles"])
+def test_fused_moe(dtype, T):
+    E, H, inter, K = 16, 80, 48, 4
+    x = _rand(T, H, dtype=dtype)
+    gu = _rand(E, 2 * inter, H, dtype=dtype, scale=0.1, seed=1)
+    dn = _rand(E, H, inter, dtype=dtype, scale=0.1, seed=2)
+    w, idx = moe_routing(_rand(T, E, seed=3), K, torch.rand(E, device=DEVICE) + 0.5)
+    out = fused_moe(x, gu, dn, w, idx)
+    ref = fused_moe_ref(x.float(), gu.float(), dn.float(), w, idx)
+    assert out.dtype == dtype and out.shape == (T, H)
+    check(out, ref, dtype, rtol=2e-2, atol_rel=2e-2)
+    # K = 1, int64 ids (the expert-parallel path hands one pair per row)
+    out1 = fused_moe(x, gu, dn, w[:, :1], idx[:, :1].long())
+    check(out1, fused_moe_ref(x.float(), gu.float(), dn.float(), w[:, :1], idx[:, :1]), dtype, 2e-2, 2e-2)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# traffic formulas vs hand counts
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_traffic_formulas():
+    assert rmsnorm_traffic(4, 8) == {"bytes_read": 80, "bytes_written": 64, "total_bytes": 144, "flops": 128}
+    t = rmsnorm_traffic(4, 8, residual=True)
+    assert (t["bytes_read"], t["bytes_written"], t["flops"]) == (144, 128, 160)
+    assert rmsnorm_traffic(4, 8, weight=False)["bytes_read"] == 64
+    # sandwich: a = 2*4*2 = 16 B; 5 weights of 8 B; reads x, x2, res; writes h + 2 outputs
+    s = sandwich_rmsnorm_traffic(2, 4, num_next=2, x2=True)
+    assert (s["bytes_read"], s["bytes_written"], s["unfused_bytes"]) == (88, 48, 5 * 16 + 2 * 32 + 7 * 16 + 40)
+    s = sandwich_rmsnorm_traffic(2, 4)
+    assert (s["bytes_read"], s["bytes_written"], s["unfused_bytes"]) == (40, 16, 88)
+    assert gelu_mul_traffic(3, 5) == {
+        "bytes_read": 60,
+        "bytes_written": 30,
+        "total_bytes": 90,
+        "unfused_bytes": 150,
+        "flops": 150,
+    }
+    q = qk_norm_rope_traffic(2, 3, 8, rope=True, write_v=True)  # a = 96 B, tables 2*2*4*2 = 32 B, w 16 B
+    assert (q["bytes_read"], q["bytes_written"], q["unfused_bytes"], q["flops"]) == (144, 192, 624, 336)
+    m = fused_moe_traffic(2, 8, 4, 4, 2, active_experts=3)  # P = 4 pairs
+    assert m["weight_bytes"] == 3 * (2 * 4 * 8 + 8 * 4) * 2 == 576
+    assert (m["bytes_read"], m["bytes_written"]) == (576 + 32 + 32 + 64, 32 + 64 + 32)
+    assert m["flops"] == 2 * 4 * 8 * 8 + 2 * 4 * 4 * 8 + 10 * 4 * 4 + 2 * 4 * 8
+    assert fused_moe_traffic(1, 2816, 704, 128, 8)["active_experts"] == 8
+    assert expected_active_experts(10**6, 128, 8) == pytest.approx(128)
+    # 26B decode step, one MoE layer at T = 1: 8 experts x 3 x 704 x 2816 x 2 B = 95.2 MB of weights
+    assert fused_moe_traffic(1, 2816, 704, 128, 8)["weight_bytes"] == 8 * 3 * 704 * 2816 * 2
+
+
+# --------------------------------------------------------------------------------------------------------------
+# model: fused vs unfused
+# --------------------------------------------------------------------------------------------------------------
+
+PROMPT = [2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+
+
+def _prefill_logits(model, ids):
+    ids_t = torch.tensor(ids, device=model.device)
+    attn = ContiguousAttention()
+    attn.prepare(len(ids), torch.zeros_like(ids_t))
+    with torch.no_grad():
+        return model(ids_t, torch.arange(len(ids), device=model.device), attn)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "tiny-e2b"])
+def test_model_fused_matches_unfused(preset):
+    model = build_model(get_preset(preset), DEVICE, torch.float32, seed=0)
+    ref_tokens, ref_logits = greedy_generate(model, PROMPT, 6), _prefill_logits(model, PROMPT)
+    model.set_fused(True)
+    assert model.fused and all(layer.fused and layer.self_attn.fused for layer in model.layers)
+    torch.testing.assert_close(_prefill_logits(model, PROMPT), ref_logits, atol=1e-4, rtol=1e-4)
+    assert greedy_generate(model, PROMPT, 6) == ref_tokens
+    model.set_fused(False)
+    assert not any(getattr(m, "fused", False) for m in model.modules())
+    assert torch.equal(_prefill_logits(model, PROMPT), ref_logits)
+
+
+def test_model_fused_bf16_close():
+    """bf16 io: the fused path (fp32 inside, fewer roundings) is at least about as close to the fp32 model."""
+    model = build_model(get_preset("tiny-moe"), DEVICE, torch.float32, seed=0)
+    exact = _prefill_logits(model, PROMPT[:6])
+    model.to(torch.bfloat16).setup_rope()
+    err_unfused = (_prefill_logits(model, PROMPT[:6]) - exact).abs().max().item()
+    model.set_fused(True)
+    err_fused = (_prefill_logits(model, PROMPT[:6]) - exact).abs().max().item()
+    assert err_fused <= 1.5 * err_unfused + 1e-2, (err_fused, err_unfused)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GPU: real shapes (31B hidden 5376, heads 32 x 256 / 32 x 512; 26B-A4B MoE)
+# --------------------------------------------------------------------------------------------------------------
+
+BF16 = torch.bfloat16
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 64, 4096])
+def test_gpu_norms_31b(T):
+    H = 5376
+    x, r, w = _rand(T, H, dtype=BF16), _rand(T, H, dtype=BF16, seed=1), _rand(H, dtype=BF16, seed=2)
+    check(rmsnorm(x, w, EPS), rmsnorm_ref(x.float(), w.float(), EPS), BF16)
+    h, ys = sandwich_rmsnorm(x, r, w, EPS, next_weights=[w], scalar=torch.tensor([0.5], device=DEVICE, dtype=BF16))
+    h_ref, ys_ref = sandwich_rmsnorm_ref(
+        x.float(), r.float(), w.float(), EPS, next_weights=[w.float()], scalar=torch.tensor([0.5], device=DEVICE)
+    )
+    check(h, h_ref, BF16)
+    check(ys[0], ys_ref[0], BF16)
+    g, u = _rand(T, 21504, dtype=BF16, seed=3), _rand(T, 21504, dtype=BF16, seed=4)
+    check(gelu_mul(g, u), gelu_mul_ref(g.float(), u.float()), BF16)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 64, 4096])
+@pytest.mark.parametrize("sliding", [True, False], ids=["32x256", "32x512"])
+def test_gpu_qk_norm_rope_31b(T, sliding):
+    hd = 256 if sliding else 512
+    cos, sin = _tables(sliding, list(range(0, 7 * T, 7)), BF16)
+    x, w = _rand(T, 32, hd, dtype=BF16), _rand(hd, dtype=BF16, seed=1)
+    check(
+        qk_norm_rope(x, w, cos, sin, EPS), qk_norm_rope_ref(x.float(), w.float(), cos.float(), sin.float(), EPS), BF16
+    )
+    k, v = k_norm_rope_v_norm(x[:, :4], w, cos, sin, EPS)
+    k_ref, v_ref = k_norm_rope_v_norm_ref(x[:, :4].float(), w.float(), cos.float(), sin.float(), EPS)
+    check(k, k_ref, BF16)
+    check(v, v_ref, BF16)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 64, 8192])
+def test_gpu_moe_26b(T):
+    E, H, inter, K = 128, 2816, 704, 8
+    x = _rand(T, H, dtype=BF16)
+    gu = _rand(E, 2 * inter, H, dtype=BF16, scale=0.02, seed=1)
+    dn = _rand(E, H, inter, dtype=BF16, scale=0.02, seed=2)
+    logits = _rand(T, E, dtype=BF16, seed=3)
+    scale = torch.rand(E, device=DEVICE) + 0.5
+    w, idx = moe_routing(logits, K, scale)
+    w_ref, idx_ref = moe_routing_ref(logits, K, scale)
+    assert (idx.long() == idx_ref).float().mean() > 0.999  # bf16 ties may order differently
+    out = fused_moe(x, gu, dn, w, idx)
+    check(out, fused_moe_ref(x, gu, dn, w, idx), BF16, rtol=2e-2, atol_rel=2e-2)
+
+
+@gpu
+@needs_cuda
+def test_gpu_fused_moe_cuda_graph_capturable():
+    E, H, inter, K, T = 128, 2816, 704, 8, 4
+    x = _rand(T, H, dtype=BF16)
+    gu, dn = _rand(E, 2 * inter, H, dtype=BF16, scale=0.02), _rand(E, H, inter, dtype=BF16, scale=0.02)
+    w, idx = moe_routing(_rand(T, E, dtype=BF16, seed=3), K, torch.ones(E, device=DEVICE))
+    ref = fused_moe(x, gu, dn, w, idx)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, gu, dn, w, idx)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "tiny-e2b", "26b-a4b", "31b"])
+def test_gpu_model_fused(preset):
+    """Tiny presets: fp32 tokens identical. Real presets (2 layers, random bf16 weights): logits close."""
+    real = not preset.startswith("tiny")
+    cfg = get_preset(preset, 2) if real else get_preset(preset)
+    dtype = BF16 if real else torch.float32
+    model = build_model(cfg, DEVICE, dtype, seed=0)
+    ref_tokens, ref = greedy_generate(model, PROMPT, 6), _prefill_logits(model, PROMPT)
+    model.set_fused(True)
+    out = _prefill_logits(model, PROMPT)
+    if real:
+        assert (out - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+    else:
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        assert greedy_generate(model, PROMPT, 6) == ref_tokens
