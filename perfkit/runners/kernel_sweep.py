@@ -133,8 +133,12 @@ def run_mask_sweep(
     budget_bytes = None if budget_gib is None else int(budget_gib * GiB)
     rows: list[dict[str, Any]] = []
     if cuda and budget_bytes is not None:
+        # the budget is on top of what this process already holds (a model, earlier tests): cap the caching
+        # allocator at held + budget, after returning cached blocks so they do not count
+        torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), dev)
+        held = torch.cuda.memory_allocated(dev)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (held + budget_bytes) / total), dev)
     try:
         for q in q_lens:
             for p in prefix_lens:

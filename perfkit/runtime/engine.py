@@ -133,9 +133,9 @@ class Engine:
     def _measure_free_bytes(self) -> int:
         """Warm up with one max_num_tokens prefill on a minimal cache, then read the driver's free memory (the
         warmup's activations stay reserved in torch's allocator, so they are not counted as free)."""
-        n = min(self.ec.max_num_tokens, self.ec.max_model_len)
-        pages = math.ceil(n / self.ec.page_size) + 2
-        self._build(dict.fromkeys(pool_specs(self.layers), pages), graphs=False)
+        n = min(self.ec.max_num_tokens, self.ec.max_model_len - 1)
+        pages = {pool: self._pages_needed(spec.window, n + 1) + 1 for pool, spec in pool_specs(self.layers).items()}
+        self._build(pages, graphs=False)
         self.add_request([self.cfg.bos_token_id] * n, max_new_tokens=1)
         while self.has_unfinished():
             self.step()
@@ -251,8 +251,7 @@ class Engine:
         if total > self.ec.max_model_len:
             raise PerfkitError(f"prompt + max_new_tokens = {total} exceeds max_model_len {self.ec.max_model_len}")
         for pool, spec in self.kv.specs.items():  # a request must fit alone, or preemption could never end
-            need = math.ceil(total / self.ec.page_size) if spec.window is None else math.ceil(
-                (spec.window - 1 + self.ec.max_num_tokens) / self.ec.page_size) + 1  # fmt: skip
+            need = self._pages_needed(spec.window, total)
             if need > self.kv.num_pages[pool] - 1:
                 raise PerfkitError(f"request needs {need} {pool} KV pages, the pool has {self.kv.num_pages[pool] - 1}")
         if token_type_ids is None:
@@ -272,6 +271,15 @@ class Engine:
             self._generators[rid] = g
         self.scheduler.add(req)
         return rid
+
+    def _pages_needed(self, window: int | None, total_tokens: int) -> int:
+        """Pages one request of `total_tokens` holds at most in a pool: all of them on full layers; on sliding
+        layers the window plus one step's chunk (older pages are freed), never more than the whole request."""
+        ps = self.ec.page_size
+        full = math.ceil(total_tokens / ps)
+        if window is None:
+            return full
+        return min(full, math.ceil((window - 1 + self.ec.max_num_tokens) / ps) + 1)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -1,0 +1,5 @@
+"""`python -m perfkit`: the CLI."""
+
+from perfkit.cli import app
+
+app()
