@@ -173,6 +173,39 @@ def test_tp2_engine_matches_tp1(two_rank_results):
     assert r["kv_heads"] == 1  # tiny-moe sliding layers: 2 KV heads over 2 ranks
 
 
+def _worker4(rank: int, world: int, port: int, out_file: str) -> None:
+    """World 4 on tiny / tiny-moe: one query head per rank, the full layers' single KV head on all 4 ranks."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")  # fmt: skip
+    torch.set_num_threads(1)
+    from perfkit.runners.tp_launch import init_tp
+    from perfkit.runtime.generate import greedy_generate
+
+    ctx = init_tp("cpu")
+    try:
+        res = {}
+        for name in ("tiny", "tiny-moe"):
+            cfg = get_preset(name)
+            ref = greedy_generate(build_model(cfg, "cpu", torch.float32, seed=0), PROMPT, STEPS)
+            model = build_sharded_model(cfg, rank, world, "cpu", torch.float32, seed=0)
+            res[name] = (ref, greedy_generate(model, PROMPT, STEPS), [la.num_heads for la in model.attn_layers])
+        if rank == 0:
+            torch.save(res, out_file)
+    finally:
+        ctx.shutdown()
+
+
+def test_tp4_built_shards_match_tp1(tmp_path):
+    import torch.multiprocessing as mp
+
+    from perfkit.runners.tp_launch import free_loopback_port
+
+    mp.spawn(_worker4, args=(4, free_loopback_port(), str(tmp_path / "out.pt")), nprocs=4, join=True)
+    for name, (ref, got, heads) in torch.load(tmp_path / "out.pt").items():
+        assert got == ref, name
+        assert set(heads) == {1}
+
+
 def test_tp_control_helpers(two_rank_results):
     assert two_rank_results["control"] == {"bcast": {"submit": 3}, "min": 10, "diverged": True}
 

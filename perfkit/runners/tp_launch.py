@@ -181,9 +181,13 @@ class TPContext:
             dist.barrier(group=self.control_group)
 
     def shutdown(self) -> None:
+        """Barrier, then destroy the process groups: no rank tears down (rank 0 hosts the rendezvous store)
+        while another still talks to it."""
         import torch.distributed as dist
 
         if dist.is_initialized():
+            if self.world_size > 1:
+                dist.barrier(group=self.control_group)
             dist.destroy_process_group()
 
 

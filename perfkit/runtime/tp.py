@@ -62,6 +62,7 @@ __all__ = [
     "shard_attn_layer",
     "shard_model_",
     "shard_slices",
+    "tp_summary",
 ]
 
 PLE_MODES = ("replicate", "shard")
@@ -241,7 +242,8 @@ class _RowParallel:
 class _ExpertParallel:
     """The wrapped experts module holds experts [tp_expert_start, + num local). Router indices are global:
     pairs routed elsewhere get weight 0 (small batches: no host sync, CUDA-graph safe) or are dropped before
-    the experts run (large batches: one host sync, like the unsharded sorted path). Then all-reduce."""
+    the experts run (large batches on the PyTorch path: one host sync, like its sorted path; the fused Triton
+    path is sync-free for any batch and always takes the zero-weight form). Then all-reduce."""
 
     tp: TPInfo
     tp_expert_start: int
@@ -251,7 +253,7 @@ class _ExpertParallel:
         local = idx - self.tp_expert_start
         mine = (local >= 0) & (local < self.tp_num_local_experts)
         base = super().forward  # type: ignore[misc]
-        if idx.numel() <= getattr(self, "gather_max_rows", 64):
+        if getattr(self, "fused", False) or idx.numel() <= getattr(self, "gather_max_rows", 64):
             y = base(x, torch.where(mine, local, 0), torch.where(mine, w, torch.zeros_like(w)))
         else:
             tok, slot = mine.nonzero(as_tuple=True)
@@ -428,3 +430,22 @@ def build_sharded_model(
     model.eval()
     model.setup_rope()
     return model
+
+
+def tp_summary(model: Gemma4ForCausalLM) -> dict[str, Any]:
+    """What this rank holds, for the result's runtime section (JSON-ready). Works on unsharded models too."""
+    tp: TPInfo | None = getattr(model, "tp", None)
+    layers = model.cfg.attn_layers()
+    pools = {("sliding" if la.is_sliding else "full"): (la.num_heads, la.num_kv_heads) for la in layers}
+    out: dict[str, Any] = {
+        "tp_world_size": 1 if tp is None else tp.world_size,
+        "tp_rank": 0 if tp is None else tp.rank,
+        "heads_per_rank": {p: h for p, (h, _) in pools.items()},
+        "kv_heads_per_rank": {p: k for p, (_, k) in pools.items()},
+        "vocab_rows_per_rank": model.embed_tokens.weight.shape[0],
+        "weights_bytes_per_rank": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "ple": None if not model.cfg.has_ple else ("shard" if tp and tp.ple_vocab_start is not None else "replicate"),
+    }
+    if model.cfg.enable_moe_block:
+        out["experts_per_rank"] = model.layers[0].experts.gate_up_proj.shape[0]
+    return out
