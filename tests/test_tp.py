@@ -117,6 +117,25 @@ def _worker(rank: int, world: int, port: int, out_file: str) -> None:
                 q_rows=model.layers[0].self_attn.q_proj.weight.shape[0],
             )  # fmt: skip
 
+        # FP8 quantisation of the shards (shard -> quantize_model_ -> reattach_tp_) vs the quantised TP=1 model.
+        # Scales of the row-parallel o_proj/down_proj come from half their columns, so close (FP8 noise), not equal.
+        from perfkit.runtime.quant import quantize_model_
+        from perfkit.runtime.tp import reattach_tp_
+
+        for name in ("tiny", "tiny-moe"):
+            cfg = get_preset(name)
+            model = build_model(cfg, "cpu", torch.float32, seed=0)
+            quantize_model_(model, "fp8")
+            ref_logits = logits_of(model)
+            model = build_model(cfg, "cpu", torch.float32, seed=0)
+            shard_model_(model, rank, world)
+            quantize_model_(model, "fp8")
+            # swapped-in modules without the all-reduce (MoE: global expert ids would not even index)
+            missing = float((logits_of(model) - ref_logits).abs().max()) if name == "tiny" else None
+            res[f"fp8/{name}"] = dict(
+                rewrapped=reattach_tp_(model), err=float((logits_of(model) - ref_logits).abs().max()), missing=missing
+            )
+
         # the serving engine (torch paged backend, chunked prefill, mixed batches) on a sharded MoE model
         cfg = get_preset("tiny-moe")
         model = build_model(cfg, "cpu", torch.float32, seed=1)
@@ -165,6 +184,12 @@ def test_tp2_greedy_matches_tp1(two_rank_results, key):
     cfg = get_preset(key.split("/")[0])
     assert r["q_rows"] == cfg.num_attention_heads // 2 * cfg.head_dim
     assert r["kv_heads"] == [max(1, la.num_kv_heads // 2) for la in cfg.attn_layers()]
+
+
+def test_tp2_quantized_shards_keep_their_all_reduce(two_rank_results):
+    dense, moe = two_rank_results["fp8/tiny"], two_rank_results["fp8/tiny-moe"]
+    assert dense["rewrapped"] == 2 * 6 and moe["rewrapped"] == 3 * 6  # o_proj, down_proj (+ experts) per layer
+    assert dense["err"] < dense["missing"] / 2
 
 
 def test_tp2_engine_matches_tp1(two_rank_results):

@@ -59,6 +59,7 @@ __all__ = [
     "TPInfo",
     "build_sharded_model",
     "head_ranges",
+    "reattach_tp_",
     "shard_attn_layer",
     "shard_model_",
     "shard_slices",
@@ -139,6 +140,7 @@ class TPInfo:
     world_size: int
     group: Any = None  # torch.distributed ProcessGroup; None = the default (WORLD) group
     vocab_start: int = 0  # first embed_tokens row held by this rank
+    experts_per_rank: int = 0  # MoE: this rank holds experts [rank * experts_per_rank, (rank + 1) * ...)
     ple_vocab_start: int | None = None  # first embed_tokens_per_layer row (ple="shard"), else None
 
 
@@ -347,6 +349,7 @@ def shard_model_(
         rank=rank, world_size=world_size, group=group, vocab_start=_padded_range(cfg.vocab_size, rank, world_size)[0],
         ple_vocab_start=_padded_range(cfg.vocab_size_per_layer_input, rank, world_size)[0]
         if cfg.has_ple and ple == "shard" else None,
+        experts_per_rank=cfg.num_experts // world_size if cfg.enable_moe_block else 0,
     )  # fmt: skip
     model.embed_tokens.num_embeddings = model.embed_tokens.weight.shape[0]
     sharded_cfg = ShardedGemma4Config.of(cfg, rank, world_size)
@@ -360,19 +363,36 @@ def shard_model_(
                 lin.out_features = lin.weight.shape[0]
         for lin in (attn.o_proj, dl.mlp.down_proj):
             lin.in_features = lin.weight.shape[1]
-            lin.tp = tp
-            _swap_class(lin, _RowParallel)
-        if cfg.enable_moe_block:
-            ex = dl.experts
-            ex.tp = tp
-            ex.tp_num_local_experts = ex.gate_up_proj.shape[0]
-            ex.tp_expert_start = rank * ex.tp_num_local_experts
-            _swap_class(ex, _ExpertParallel)
     model.tp = tp
     model.cfg = sharded_cfg
     model.attn_layers = layers
     _swap_class(model, _TPModel)
+    reattach_tp_(model)
     return model
+
+
+def reattach_tp_(model: Gemma4ForCausalLM) -> int:
+    """(Re-)wrap o_proj / down_proj as row-parallel and the experts as expert-parallel on a sharded model.
+    `shard_model_` calls it; call it again after anything swaps those modules for new ones (quantize_model_
+    replaces Linears and experts by setattr: shard first, quantise the shards, then reattach_tp_). Returns how
+    many modules were (re-)wrapped. Without it the swapped-in modules would skip the all-reduce."""
+    tp: TPInfo = model.tp
+    n = 0
+    for dl in model.layers:
+        for parent, attr in ((dl.self_attn, "o_proj"), (dl.mlp, "down_proj")):
+            m = getattr(parent, attr)
+            if not isinstance(m, _RowParallel):
+                m.tp = tp
+                _swap_class(m, _RowParallel)
+                n += 1
+        ex = getattr(dl, "experts", None)
+        if ex is not None and not isinstance(ex, _ExpertParallel):
+            ex.tp = tp
+            ex.tp_num_local_experts = tp.experts_per_rank
+            ex.tp_expert_start = tp.rank * tp.experts_per_rank
+            _swap_class(ex, _ExpertParallel)
+            n += 1
+    return n
 
 
 def build_sharded_model(
