@@ -50,6 +50,12 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "on",
         "decode steps replayed from captured CUDA graphs (on) vs launched eagerly (off)",
     ),
+    "fused_kernels": (
+        ("off", "on"),
+        "off",
+        "Triton kernels for RMSNorm (+ residual), GeGLU, per-head QK-norm + RoPE and the MoE path (on) vs the "
+        "PyTorch ops (off)",
+    ),
     "attention": (
         ("auto", "flashinfer", "torch"),
         "auto",
@@ -81,9 +87,10 @@ class Toggles(BaseModel):
     page_table: Literal["host", "padded"] = "host"
     mm_embed_cache: Literal["on", "off"] = "on"
     cuda_graphs: Literal["on", "off"] = "on"
+    fused_kernels: Literal["on", "off"] = "off"
     attention: Literal["auto", "flashinfer", "torch"] = "auto"
 
-    @field_validator("mm_embed_cache", "cuda_graphs", mode="before")
+    @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", mode="before")
     @classmethod
     def _on_off(cls, value: Any) -> Any:
         return _yaml_on_off(value)
@@ -98,9 +105,10 @@ class PartialToggles(BaseModel):
     page_table: Literal["host", "padded"] | None = None
     mm_embed_cache: Literal["on", "off"] | None = None
     cuda_graphs: Literal["on", "off"] | None = None
+    fused_kernels: Literal["on", "off"] | None = None
     attention: Literal["auto", "flashinfer", "torch"] | None = None
 
-    @field_validator("mm_embed_cache", "cuda_graphs", mode="before")
+    @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", mode="before")
     @classmethod
     def _on_off(cls, value: Any) -> Any:
         return _yaml_on_off(value)

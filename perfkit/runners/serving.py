@@ -271,6 +271,7 @@ def load_target(cfg: RunConfig, mcfg: ModelConfig, device: str, run_dir: Path, t
         page_table=toggles.page_table,
         mask=toggles.mask,
         mm_embed_cache=toggles.mm_embed_cache == "on",
+        fused_kernels=toggles.fused_kernels == "on",
         decode_use_tensor_cores=None if rt.decode_tensor_cores == "auto" else rt.decode_tensor_cores == "on",
         seed=mcfg.seed,
     )

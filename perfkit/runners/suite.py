@@ -60,7 +60,10 @@ def resolve_toggles(toggles: Toggles, device: str) -> Toggles:
         raise PerfkitError(f"toggles.attention=flashinfer cannot run here: {why}; use attention: torch or auto")
     cuda_graphs = toggles.cuda_graphs if (device == "cuda" and attention == "flashinfer") else "off"
     # the Triton mask runs on a CPU only under the interpreter; record what actually runs
-    mask = toggles.mask if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "dense"
+    triton_ok = device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    mask = toggles.mask if triton_ok else "dense"
+    if toggles.fused_kernels == "on" and not triton_ok:
+        raise PerfkitError("toggles.fused_kernels=on needs a CUDA GPU (or TRITON_INTERPRET=1 on a CPU); use off")
     return toggles.model_copy(update={"attention": attention, "cuda_graphs": cuda_graphs, "mask": mask})
 
 

@@ -32,6 +32,7 @@ TOGGLES = {
     "mask": ("triton", "dense"),
     "mm_embed_cache": ("on", "off"),
     "cuda_graphs": ("on", "off"),
+    "fused_kernels": ("on", "off"),
 }
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _CPU_KV_BUDGET_BYTES = 1 << 30  # no memory probe on CPU: a fixed budget before kv_cache_fraction
@@ -50,6 +51,7 @@ class EngineConfig:
     page_table: str = "host"  # host | padded
     mask: str = "triton"  # triton | dense
     mm_embed_cache: bool = True
+    fused_kernels: bool = False  # Triton RMSNorm / GeGLU / QK-norm+RoPE / MoE instead of the PyTorch ops
     num_kv_pages: int | None = None  # override: pages per pool (tests); else kv_cache_bytes; else measured
     kv_cache_bytes: int | None = None  # override: KV budget in bytes (before the split between pools)
     decode_use_tensor_cores: bool | None = None  # flashinfer decode; None = tensor cores when GQA group >= 4
@@ -105,6 +107,7 @@ class Engine:
         self._graph_capture_s = 0.0
         self._steps = 0
         self._validate_toggles(ec)
+        model.set_fused(ec.fused_kernels)
         if model.rope is None or model.rope.max_positions < ec.max_model_len:
             model.setup_rope(ec.max_model_len)
         self._build(self._kv_pages())
@@ -226,12 +229,18 @@ class Engine:
         elif name == "cuda_graphs":
             self.ec = replace(self.ec, cuda_graphs=on)
             self._sync_graphs()
+        elif name == "fused_kernels" and on != self.ec.fused_kernels:
+            self.ec = replace(self.ec, fused_kernels=on)
+            self.model.set_fused(on)
+            self._graphs = None  # captured graphs replay the other path: capture again
+            self._sync_graphs()
 
     def toggles(self) -> dict[str, str]:
         ec = self.ec
         return {
             "attention": ec.attention, "page_table": ec.page_table, "mask": ec.mask,
             "mm_embed_cache": "on" if ec.mm_embed_cache else "off", "cuda_graphs": "on" if ec.cuda_graphs else "off",
+            "fused_kernels": "on" if ec.fused_kernels else "off",
         }  # fmt: skip
 
     # ---- requests --------------------------------------------------------------------------------------------
