@@ -332,13 +332,19 @@ def direction(metric: str) -> Direction:
     raise ValueError(f"no known direction for metric {metric!r} (expected a *_ms, *_bytes or *_tok_s metric)")
 
 
+# A change is reported only when its CI excludes +-MIN_EFFECT_PCT, not merely 0: a deterministic quantity
+# (peak bytes, an identical plan) that differs by a few bytes has a zero-width CI next to 0 and is no change.
+MIN_EFFECT_PCT = 0.1
+
+
 def verdict(lo_pct: float | None, hi_pct: float | None, dir_: Direction) -> Verdict:
-    """better / worse when the CI excludes 0, else no significant change; n/a without a CI."""
+    """better / worse when the CI excludes [-MIN_EFFECT_PCT, +MIN_EFFECT_PCT], else no significant change;
+    n/a without a CI."""
     if lo_pct is None or hi_pct is None or not (math.isfinite(lo_pct) and math.isfinite(hi_pct)):
         return "n/a"
-    if lo_pct > 0:
+    if lo_pct > MIN_EFFECT_PCT:
         return "better" if dir_ == "higher" else "worse"
-    if hi_pct < 0:
+    if hi_pct < -MIN_EFFECT_PCT:
         return "better" if dir_ == "lower" else "worse"
     return "no significant change"
 
@@ -347,7 +353,7 @@ def verdicts(lo: np.ndarray, hi: np.ndarray, dir_: Direction) -> np.ndarray:
     """Vectorised `verdict`: an array of strings."""
     up = np.where(dir_ == "higher", "better", "worse")
     down = np.where(dir_ == "lower", "better", "worse")
-    return np.where(lo > 0, up, np.where(hi < 0, down, "no significant change"))
+    return np.where(lo > MIN_EFFECT_PCT, up, np.where(hi < -MIN_EFFECT_PCT, down, "no significant change"))
 
 
 def compare_values(

@@ -198,6 +198,8 @@ def test_verdict_is_direction_aware():
     assert st.verdict(-8.0, -2.0, "lower") == "better"
     assert st.verdict(-8.0, -2.0, "higher") == "worse"
     assert st.verdict(-1.0, 3.0, "lower") == "no significant change"
+    # a zero-width CI a hair away from 0 (identical peak bytes but a few) is no change
+    assert st.verdict(1e-6, 1e-6, "lower") == "no significant change"
     assert st.verdict(None, None, "lower") == "n/a"
     v = st.verdicts(np.array([1.0, -5.0, -1.0]), np.array([3.0, -1.0, 1.0]), "higher")
     assert list(v) == ["better", "worse", "no significant change"]
