@@ -55,7 +55,8 @@ def _guard(fn: F) -> F:
 
 
 def _console() -> Console:
-    return Console(highlight=False, soft_wrap=True)
+    # piped output (CI logs, `| tee`) gets a wide console so tables are not folded into unreadable columns
+    return Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 180)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ yields `available: false` with the reason rather than an exception.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import subprocess
 import sys
@@ -31,6 +32,11 @@ def git_info(root: Path | None = None) -> dict[str, Any]:
 
     sha = git("rev-parse", "HEAD")
     if sha is None:
+        # a copy without .git (a container, a remote GPU machine): the launcher may pass the commit along
+        env_sha = os.environ.get("PERFKIT_GIT_SHA")
+        if env_sha:
+            return {"sha": env_sha, "short": env_sha[:10], "dirty": os.environ.get("PERFKIT_GIT_DIRTY") == "1",
+                    "source": "PERFKIT_GIT_SHA"}
         return {"sha": None, "dirty": None}
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"sha": sha, "short": sha[:10], "dirty": bool(status)}
