@@ -56,6 +56,12 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "Triton kernels for RMSNorm (+ residual), GeGLU, per-head QK-norm + RoPE and the MoE path (on) vs the "
         "PyTorch ops (off)",
     ),
+    "nvtx": (
+        ("on", "off"),
+        "on",
+        "NVTX ranges with in-process host/device range timings around every engine phase (on) vs none (off); "
+        "an on/off pair of arms measures the capture overhead itself",
+    ),
     "attention": (
         ("auto", "flashinfer", "torch"),
         "auto",
@@ -88,9 +94,10 @@ class Toggles(BaseModel):
     mm_embed_cache: Literal["on", "off"] = "on"
     cuda_graphs: Literal["on", "off"] = "on"
     fused_kernels: Literal["on", "off"] = "off"
+    nvtx: Literal["on", "off"] = "on"
     attention: Literal["auto", "flashinfer", "torch"] = "auto"
 
-    @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", mode="before")
+    @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", mode="before")
     @classmethod
     def _on_off(cls, value: Any) -> Any:
         return _yaml_on_off(value)
@@ -106,9 +113,10 @@ class PartialToggles(BaseModel):
     mm_embed_cache: Literal["on", "off"] | None = None
     cuda_graphs: Literal["on", "off"] | None = None
     fused_kernels: Literal["on", "off"] | None = None
+    nvtx: Literal["on", "off"] | None = None
     attention: Literal["auto", "flashinfer", "torch"] | None = None
 
-    @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", mode="before")
+    @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", mode="before")
     @classmethod
     def _on_off(cls, value: Any) -> Any:
         return _yaml_on_off(value)

@@ -132,3 +132,17 @@ def test_impossible_run_is_one_line_exit_2(tmp_path, override, line):
     p = _small_config(tmp_path)
     res = CliRunner().invoke(app, ["run", str(p), "--out", str(tmp_path / "r"), "--set", override])
     assert res.exit_code == 2 and res.output.strip().splitlines()[-1] == line
+
+
+def test_nvtx_toggle_switches_capture_per_arm(tmp_path):
+    p = _small_config(
+        tmp_path,
+        scenarios=[{"name": "a", "workload": {"isl": 12, "osl": 3}, "arrival": {"concurrency": 2}, "num_requests": 2}],
+        arms=[{"name": "capture_off", "toggles": {"nvtx": "off"}}, {"name": "capture_on", "toggles": {"nvtx": "on"}}],
+    )
+    res = CliRunner().invoke(app, ["run", str(p), "--out", str(tmp_path / "r")])
+    assert res.exit_code == 0, res.output
+    off, on = read_result(next((tmp_path / "r").iterdir())).scenarios
+    assert off.arm["nvtx"] == "off" and off.nvtx == {}
+    assert on.arm["nvtx"] == "on" and {"step", "forward_decode", "sample"} <= set(on.nvtx)
+    assert off.counts.output_tokens == on.counts.output_tokens == 6

@@ -33,6 +33,7 @@ TOGGLES = {
     "mm_embed_cache": ("on", "off"),
     "cuda_graphs": ("on", "off"),
     "fused_kernels": ("on", "off"),
+    "nvtx": ("on", "off"),
 }
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _CPU_KV_BUDGET_BYTES = 1 << 30  # no memory probe on CPU: a fixed budget before kv_cache_fraction
@@ -94,7 +95,8 @@ class Engine:
         """`ranges` (NVTX + timings, `.range(name)`) and `memory` (`.phase(name)`) are the capture instruments;
         the runner passes perfkit.capture's RangeRecorder and MemoryTracker, tests may omit them."""
         ec = engine_config or EngineConfig()
-        self.ranges = ranges if ranges is not None else NULL_CAPTURE
+        self._recorder = ranges if ranges is not None else NULL_CAPTURE  # toggle nvtx=off swaps in NULL_CAPTURE
+        self.ranges = self._recorder
         self.memory = memory if memory is not None else NULL_CAPTURE
         self.model, self.cfg, self.ec = model, cfg, ec
         self.device = model.device
@@ -229,6 +231,9 @@ class Engine:
         elif name == "cuda_graphs":
             self.ec = replace(self.ec, cuda_graphs=on)
             self._sync_graphs()
+        elif name == "nvtx":
+            self.ranges = self._recorder if on else NULL_CAPTURE
+            self.runner.ranges = self.ranges
         elif name == "fused_kernels" and on != self.ec.fused_kernels:
             self.ec = replace(self.ec, fused_kernels=on)
             self.model.set_fused(on)
@@ -241,6 +246,7 @@ class Engine:
             "attention": ec.attention, "page_table": ec.page_table, "mask": ec.mask,
             "mm_embed_cache": "on" if ec.mm_embed_cache else "off", "cuda_graphs": "on" if ec.cuda_graphs else "off",
             "fused_kernels": "on" if ec.fused_kernels else "off",
+            "nvtx": "on" if self.ranges is self._recorder else "off",
         }  # fmt: skip
 
     # ---- requests --------------------------------------------------------------------------------------------
