@@ -152,3 +152,32 @@ def test_multimodal_chunked_prefill_matches_dense(cache):
     for r, (ids, types, items) in zip(rids, reqs, strict=True):
         ref = greedy_generate(model, ids, 8, mm_embeds=torch.cat(items), token_type_ids=types)
         assert out[r] == ref
+
+
+@pytest.mark.parametrize("cache", ["on", "off"])
+def test_pixel_items_batched_through_the_vision_tower(cache):
+    """Same-size images of a request are encoded in one tower call; tokens equal per-image encoding."""
+    from perfkit.runtime.vision import build_vision_tower, get_vision_preset, synthetic_images
+
+    cfg, model = model_for("tiny")
+    tower = build_vision_tower(get_vision_preset("tiny"), cfg.hidden_size, "cpu", torch.float32, seed=3)
+    rng = random.Random(7)
+    sizes = [70, 70, 140]  # two images of one size (one batch), then another size (a second call)
+    ids, types = [2], [0]
+    items = []
+    for i, soft in enumerate(sizes):
+        ids += [rng.randint(3, 400), cfg.boi_token_id] + [cfg.image_token_id] * soft + [cfg.eoi_token_id]
+        types += [0, 0] + [1] * soft + [0]
+        pv, pp = synthetic_images(1, soft, seed=100 + i)
+        items.append({"pixel_values": pv, "pixel_position_ids": pp})
+    ids += [5, 6, 7]
+    types += [0, 0, 0]
+    eng = cpu_engine(model, cfg, max_num_tokens=96, mm_embed_cache=cache == "on")
+    eng.set_vision_tower(tower)
+    rid = eng.add_request(ids, mm_items=items, max_new_tokens=6, token_type_ids=types)
+    out = eng.generate_all()[rid]
+    with torch.no_grad():
+        per_image = torch.cat([tower(it["pixel_values"], it["pixel_position_ids"]) for it in items])
+    assert out == greedy_generate(model, ids, 6, mm_embeds=per_image, token_type_ids=types)
+    if cache == "on":
+        assert eng.stats.encoder_calls == 2  # [70, 70] batched, [140] alone

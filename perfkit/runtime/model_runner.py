@@ -120,18 +120,34 @@ class ModelRunner:
 
     # ---- multimodal ------------------------------------------------------------------------------------------
     def _encode(self, req: Request) -> torch.Tensor:
-        rows = []
+        """Soft tokens of every item of a request, in prompt order. Consecutive pixel items of the same patch count
+        go through the vision tower as one batch (one launch sequence for N images instead of N)."""
+        rows: list[torch.Tensor] = []
+        batch: list[tuple[torch.Tensor, torch.Tensor]] = []  # pending (pixel_values, pixel_position_ids)
+
+        def flush() -> None:
+            if not batch:
+                return
+            if self.vision_tower is None:
+                raise RuntimeError("request has pixel inputs but the engine has no vision tower")
+            pv = torch.cat([b[0] for b in batch]).to(self.device)  # [n_images, patches, 3*16*16]
+            pp = torch.cat([b[1] for b in batch]).to(self.device)  # [n_images, patches, 2]
+            self.num_encoder_calls += 1
+            with self.ranges.range("mm_encode"), self.memory.phase("mm_encode"):
+                rows.append(self.vision_tower(pv, pp))  # [n_soft_total, H]
+            batch.clear()
+
         for item in req.mm_items:
             if isinstance(item, torch.Tensor):  # precomputed soft tokens [n, H]
+                flush()
                 rows.append(item.to(self.device))
                 continue
             pv = item["pixel_values"] if isinstance(item, dict) else item.pixel_values
             pp = item["pixel_position_ids"] if isinstance(item, dict) else item.pixel_position_ids
-            if self.vision_tower is None:
-                raise RuntimeError("request has pixel inputs but the engine has no vision tower")
-            self.num_encoder_calls += 1
-            with self.ranges.range("mm_encode"), self.memory.phase("mm_encode"):
-                rows.append(self.vision_tower(pv.to(self.device), pp.to(self.device)))
+            if batch and batch[0][0].shape[1:] != pv.shape[1:]:
+                flush()
+            batch.append((pv, pp))
+        flush()
         return torch.cat(rows).to(self.model.dtype)
 
     def _request_embeds(self, req: Request) -> torch.Tensor:
