@@ -266,7 +266,7 @@ def load_target(cfg: RunConfig, mcfg: ModelConfig, device: str, run_dir: Path, t
         max_batch_size=rt.max_batch_size,
         max_num_tokens=rt.max_num_tokens,
         max_model_len=rt.max_model_len,
-        kv_dtype="bfloat16",
+        kv_dtype="auto",  # the model dtype; fp8 KV is refused before we get here
         cuda_graphs=toggles.cuda_graphs == "on",
         page_table=toggles.page_table,
         mask=toggles.mask,
