@@ -124,8 +124,8 @@ def test_ctrl_c_keeps_finished_scenarios_and_exits_130(tmp_path, monkeypatch):
     [
         ("toggles.attention=flashinfer",
          "error: toggles.attention=flashinfer cannot run here: no CUDA device; use attention: torch or auto"),
-        ("model.quant=nvfp4",
-         "error: model.quant=nvfp4: quantized weights are not implemented in this perfkit yet; use quant: bf16"),
+        ("runtime.kv_dtype=fp8",
+         "error: runtime.kv_dtype=fp8: FP8 KV is not implemented in this perfkit yet; use kv_dtype: bf16"),
     ],
 )
 def test_impossible_run_is_one_line_exit_2(tmp_path, override, line):
@@ -146,3 +146,18 @@ def test_nvtx_toggle_switches_capture_per_arm(tmp_path):
     assert off.arm["nvtx"] == "off" and off.nvtx == {}
     assert on.arm["nvtx"] == "on" and {"step", "forward_decode", "sample"} <= set(on.nvtx)
     assert off.counts.output_tokens == on.counts.output_tokens == 6
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "nvfp4"])
+def test_quantized_weights_run_and_say_which_path(tmp_path, scheme):
+    p = _small_config(
+        tmp_path,
+        scenarios=[{"name": "a", "workload": {"isl": 12, "osl": 3}, "arrival": {"concurrency": 2}, "num_requests": 2}],
+    )
+    res = CliRunner().invoke(app, ["run", str(p), "--out", str(tmp_path / "r"), "--set", f"model.quant={scheme}"])
+    assert res.exit_code == 0, res.output
+    assert f"quant: {scheme}" in res.output or "quant: NVFP4" in res.output
+    (s,) = read_result(next((tmp_path / "r").iterdir())).scenarios
+    q = s.runtime["quant"]
+    assert s.status == "ok" and q["scheme"] == scheme and q["quant_backend"]
+    assert q["quantized_bytes_after"] < q["quantized_bytes_before"]

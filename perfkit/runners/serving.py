@@ -48,18 +48,43 @@ class ServingTarget:
     telemetry: TelemetrySampler
     token_space: TokenSpace
     setup_s: dict[str, float] = field(default_factory=dict)
+    quant: dict[str, Any] = field(default_factory=dict)
+    tp: Any = None  # tp_launch.TPContext under tensor parallelism (world_size > 1), else None
+    tp_summary: dict[str, Any] = field(default_factory=dict)  # runtime["tp"]: what this rank holds
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self.tp is None else self.tp.world_size
+
+    @property
+    def leader(self) -> bool:
+        """The rank that decides when to submit and records (always True without tensor parallelism)."""
+        return self.tp is None or self.tp.is_rank0
+
+    def _drive_control(self) -> dict[str, Any]:
+        return {} if self.tp is None else {"control": self.tp.broadcast_object, "leader": self.tp.is_rank0}
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def describe(self) -> str:
         from perfkit.runtime.model_config import param_count
 
-        pc = param_count(self.model.cfg)
+        full = getattr(self.model.cfg, "full_config", None)  # tensor parallel: count the whole model
+        pc = param_count(full() if full is not None else self.model.cfg)
         st = self.engine.stats
         pages = ", ".join(f"{k} {v}" for k, v in st.kv_pages.items())
+        q = self.quant
+        quant_line = ""
+        if q.get("scheme", "bf16") != "bf16":
+            why = {
+                "w4a16-triton": "NVFP4 weights through the W4A16 Triton GEMM (no FP4 tensor cores on this GPU)",
+                "fp4-native": "NVFP4 weights on FP4 tensor cores (FlashInfer)",
+            }.get(q["quant_backend"], f"{q['scheme']} weights via {q['quant_backend']}")
+            quant_line = f"\n  quant: {why} [{q['quant_backend']}]"
         return (
-            f"  {self.model.cfg.name}: {pc.total / 1e9:.2f} B params on {self.device} ({self.model_cfg.dtype}); "
+            f"  {self.model.cfg.name}: {pc.total / 1e9:.2f} B params on {self.device}"
+            f"{'' if self.tp is None else f' x {self.world_size} (tensor parallel)'} ({self.model_cfg.dtype}); "
             f"weights {self.setup_s.get('weights_s', 0):.1f} s, engine {self.setup_s.get('engine_s', 0):.1f} s; "
-            f"KV pages: {pages}"
+            f"KV pages: {pages}{quant_line}"
         )
 
     def recover(self) -> None:
@@ -97,7 +122,7 @@ class ServingTarget:
         if scenario.warmup_requests:
             warm = iter_requests(scenario.workload, self.token_space, wl_seed + _WARMUP_SEED_OFFSET)
             drive(engine, warm, make_arrival(scenario.arrival, scenario.warmup_requests, wl_seed),
-                  Limits(scenario.warmup_requests, None), materialize)
+                  Limits(scenario.warmup_requests, None), materialize, **self._drive_control())
         self.ranges.reset()
         preempt0 = engine.stats.preemptions
         mark = self.telemetry.mark()
@@ -112,7 +137,7 @@ class ServingTarget:
         requests = iter_requests(scenario.workload, self.token_space, wl_seed)
         with self.memory.phase(f"scenario:{scenario.name}"), profile:
             outcome = drive(engine, requests, make_arrival(scenario.arrival, n, wl_seed), Limits.from_scenario(scenario),
-                            materialize, on_step)
+                            materialize, on_step, **self._drive_control())
         if self.device == "cuda":
             torch.cuda.synchronize()
         sm = compute_metrics(outcome.records, scenario.slo, scenario.warmup_requests,
@@ -128,7 +153,14 @@ class ServingTarget:
             "graph_capture_s": round(st.graph_capture_s, 3),
             "encoder_calls": st.encoder_calls,
             "setup_s": self.setup_s,
+            "quant": self.quant,
+            "tp": self.tp_summary,
         }
+        throughput = sm.throughput
+        if throughput is not None:  # output_tok_s stays the whole system's; per GPU = / world size
+            w = self.world_size
+            throughput = throughput.model_copy(update={"output_tok_s_per_gpu": throughput.output_tok_s / w,
+                                                       "total_tok_s_per_gpu": throughput.total_tok_s / w})
         if profile.trace_path is not None:
             runtime["profile_trace"] = str(profile.trace_path)
         nvtx = self.ranges.summary()
@@ -137,7 +169,7 @@ class ServingTarget:
                 "runtime": runtime,
                 "counts": sm.counts,
                 "metrics": sm.metrics,
-                "throughput": sm.throughput,
+                "throughput": throughput,
                 "memory": self.memory.section(),
                 "nvtx": nvtx,
                 "telemetry": self.telemetry.section(
@@ -172,7 +204,7 @@ class ServingTarget:
 
     def _profile_window(self, scenario: ScenarioConfig) -> ProfileWindow:
         cap = self.cfg.capture
-        wanted = cap.profile != "none" and (cap.profile_scenario in (None, scenario.name))
+        wanted = cap.profile != "none" and (cap.profile_scenario in (None, scenario.name)) and self.leader
         if not wanted:
             return ProfileWindow("none")
         start, stop = cap.profile_steps
@@ -181,6 +213,8 @@ class ServingTarget:
     def _roofline(self, scenario: ScenarioConfig, sm: Any) -> RooflineSection:
         if self.device != "cuda":
             return RooflineSection(notes="no GPU: roofline not computed")
+        if self.world_size > 1:
+            return RooflineSection(notes=f"tensor parallel (TP={self.world_size}): per-GPU roofline not computed yet")
         key = match_gpu(torch.cuda.get_device_name(0))
         if key is None:
             return RooflineSection(notes=f"no peak table entry for {torch.cuda.get_device_name(0)}")
@@ -234,28 +268,47 @@ def _build_vision(mcfg: ModelConfig, model: Any, device: str) -> Any:
     return build_vision_tower(vcfg, cfg.hidden_size, device, dtype, seed=mcfg.seed + 1)
 
 
-def load_target(cfg: RunConfig, mcfg: ModelConfig, device: str, run_dir: Path, toggles: Toggles) -> ServingTarget:
-    """Build model + engine once for a suite's scenarios, under memory phases."""
+def load_target(
+    cfg: RunConfig, mcfg: ModelConfig, device: str, run_dir: Path, toggles: Toggles, tp: Any = None
+) -> ServingTarget:
+    """Build model + engine once for a suite's scenarios, under memory phases.
+
+    `tp` (a tp_launch.TPContext; used when its world_size > 1): build only this rank's shard (quantised shards
+    get their all-reduce wrappers back; the vision tower is replicated), size the KV pools per rank from the
+    sharded config with one page count on every rank (the minimum), NVML telemetry on rank 0 only."""
     from perfkit.runtime.engine import Engine, EngineConfig
+    from perfkit.runtime.quant import apply_quant
+    from perfkit.runtime.tp import build_sharded_model, reattach_tp_, tp_summary
     from perfkit.runtime.weights import build_model
 
+    if tp is not None and tp.world_size == 1:
+        tp = None
     cap = cfg.capture
     memory = MemoryTracker(enabled=cap.memory)
     ranges = RangeRecorder(
         enabled=cap.nvtx, device_timing=cap.device_timing and device == "cuda", device_ranges=DEVICE_RANGES
     )
-    telemetry = TelemetrySampler(interval_ms=cap.telemetry_interval_ms, enabled=cap.telemetry and device == "cuda")
+    telemetry = TelemetrySampler(interval_ms=cap.telemetry_interval_ms,
+                                 enabled=cap.telemetry and device == "cuda" and (tp is None or tp.is_rank0))
     if device != "cuda" and cap.telemetry:
         telemetry.reason = "no CUDA device"
     model_cfg = model_config_for(mcfg)
     setup: dict[str, float] = {}
     t0 = time.perf_counter()
     with memory.phase("weights_load"):
-        model = build_model(model_cfg, device, _DTYPES[mcfg.dtype], mcfg.weights, mcfg.path, mcfg.seed)
+        if tp is None:
+            model = build_model(model_cfg, device, _DTYPES[mcfg.dtype], mcfg.weights, mcfg.path, mcfg.seed)
+        else:
+            model = build_sharded_model(model_cfg, tp.rank, tp.world_size, device, _DTYPES[mcfg.dtype], mcfg.seed,
+                                        mcfg.weights, mcfg.path, group=tp.group)
+        quant = apply_quant(model, mcfg.quant)  # None for bf16
+        if tp is not None and quant is not None:
+            reattach_tp_(model)  # quantisation swapped o_proj / down_proj / experts: restore their all-reduce
         if device == "cuda":
             torch.cuda.synchronize()
     setup["weights_s"] = round(time.perf_counter() - t0, 3)
-    memory.set_weights_bytes(sum(p.numel() * p.element_size() for p in model.parameters()))
+    tensors = list(model.parameters()) + list(model.buffers())
+    memory.set_weights_bytes(sum(t.numel() * t.element_size() for t in tensors))
     needs_vision = any(s.workload.images is not None or s.workload.video is not None for s in cfg.scenarios)
     vision = _build_vision(mcfg, model, device) if needs_vision else None
     rt = cfg.runtime
@@ -277,7 +330,11 @@ def load_target(cfg: RunConfig, mcfg: ModelConfig, device: str, run_dir: Path, t
     )
     t0 = time.perf_counter()
     with memory.phase("kv_pool"):
-        engine = Engine(model, model_cfg, ec, vision_tower=vision, ranges=ranges, memory=memory)
+        if tp is None:
+            engine = Engine(model, model_cfg, ec, vision_tower=vision, ranges=ranges, memory=memory)
+        else:  # model.cfg: the sharded config (per-rank KV heads); the same page count on every rank
+            engine = Engine(model, model.cfg, ec, vision_tower=vision, ranges=ranges, memory=memory,
+                            agree_kv_pages=lambda pages: {p: tp.min_int(pages[p]) for p in sorted(pages)})
     setup["engine_s"] = round(time.perf_counter() - t0, 3)
     memory.set_kv_pool_bytes(sum(engine.stats.kv_pool_bytes.values()))
     telemetry.start()
@@ -294,4 +351,22 @@ def load_target(cfg: RunConfig, mcfg: ModelConfig, device: str, run_dir: Path, t
         telemetry=telemetry,
         token_space=TokenSpace.from_model_config(model_cfg),
         setup_s=setup,
+        quant=_quant_info(quant),
+        tp=tp,
+        tp_summary=tp_summary(model),
     )
+
+
+def _quant_info(report: Any) -> dict[str, Any]:
+    """What ran for the weights: recorded in every scenario's `runtime.quant` and printed at load."""
+    if report is None:
+        return {"scheme": "bf16", "backend": "dense"}
+    return {
+        "scheme": report.scheme,
+        "quant_backend": report.backend,
+        "expert_backend": report.expert_backend,
+        "quantized_bytes_before": report.quantized_bytes_before,
+        "quantized_bytes_after": report.quantized_bytes_after,
+        "model_bytes_after": report.model_bytes_after,
+        "kept": report.kept,
+    }

@@ -68,11 +68,6 @@ def resolve_toggles(toggles: Toggles, device: str) -> Toggles:
 
 
 def _check_supported(cfg: RunConfig) -> None:
-    for _, m in cfg.model_list():
-        if m.quant != "bf16":
-            raise PerfkitError(
-                f"model.quant={m.quant}: quantized weights are not implemented in this perfkit yet; use quant: bf16"
-            )
     if cfg.runtime.kv_dtype != "bf16":
         raise PerfkitError("runtime.kv_dtype=fp8: FP8 KV is not implemented in this perfkit yet; use kv_dtype: bf16")
 
