@@ -79,7 +79,7 @@ class ServingTarget:
                 "w4a16-triton": "NVFP4 weights through the W4A16 Triton GEMM (no FP4 tensor cores on this GPU)",
                 "fp4-native": "NVFP4 weights on FP4 tensor cores (FlashInfer)",
             }.get(q["quant_backend"], f"{q['scheme']} weights via {q['quant_backend']}")
-            quant_line = f"\n  quant: {why} [{q['quant_backend']}]"
+            quant_line = f"\n  quant: {why} (quant_backend {q['quant_backend']})"
         return (
             f"  {self.model.cfg.name}: {pc.total / 1e9:.2f} B params on {self.device}"
             f"{'' if self.tp is None else f' x {self.world_size} (tensor parallel)'} ({self.model_cfg.dtype}); "
