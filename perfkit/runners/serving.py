@@ -24,7 +24,7 @@ from perfkit.capture.ranges import DEVICE_RANGES, RangeRecorder
 from perfkit.capture.telemetry import TelemetrySampler
 from perfkit.config import ModelConfig, RunConfig, ScenarioConfig, Toggles
 from perfkit.results import RooflineSection, ScenarioResult
-from perfkit.roofline import get_gpu_peak, match_gpu, roofline_section
+from perfkit.roofline import MEASURED_H200, get_gpu_peak, match_gpu, roofline_section
 from perfkit.runners.inprocess import drive
 from perfkit.runners.metrics import compute_metrics
 from perfkit.workloads.arrivals import Limits, make_arrival, planned_requests
@@ -218,7 +218,8 @@ class ServingTarget:
         key = match_gpu(torch.cuda.get_device_name(0))
         if key is None:
             return RooflineSection(notes=f"no peak table entry for {torch.cuda.get_device_name(0)}")
-        peak = get_gpu_peak(key)
+        # this workplace measured the H200's copy bandwidth and bf16 matmul rate: the honest ceilings there
+        peak = get_gpu_peak(key, MEASURED_H200 if key == "h200" else None)
         w = scenario.workload
         isl = (w.isl.mean if w.isl is not None else 0) + w.shared_prefix_len
         if w.images is not None:
