@@ -413,7 +413,9 @@ def test_gpu_moe_26b(T):
     scale = torch.rand(E, device=DEVICE) + 0.5
     w, idx = moe_routing(logits, K, scale)
     w_ref, idx_ref = moe_routing_ref(logits, K, scale)
-    assert (idx.long() == idx_ref).float().mean() > 0.999  # bf16 ties may order differently
+    # the same experts per token; their order within the top-k may differ on bf16 ties (the H200 run saw swaps)
+    same_set = (idx.long().sort(-1).values == idx_ref.long().sort(-1).values).all(-1)
+    assert same_set.float().mean() > 0.99
     out = fused_moe(x, gu, dn, w, idx)
     check(out, fused_moe_ref(x, gu, dn, w, idx), BF16, rtol=2e-2, atol_rel=2e-2)
 
