@@ -74,10 +74,16 @@ def run(
     profile: Annotated[
         Optional[str], typer.Option("--profile", help="profiler window: torch | cuda (see capture.profile_*)")
     ] = None,
+    tp: Annotated[
+        Optional[int],
+        typer.Option("--tp", help="tensor-parallel GPUs: relaunches itself as N torchrun ranks "
+                     "(overrides runtime.tensor_parallel)"),
+    ] = None,
 ) -> None:
     """Run a suite: scenarios x arms x repeats on one loaded model; results go to <out>/<run-id>/."""
     from perfkit.config import load_config
     from perfkit.runners.suite import default_config_path, run_suite
+    from perfkit.runners.tp_launch import in_torchrun, maybe_relaunch
 
     overrides = list(set_ or [])
     if label:
@@ -86,8 +92,16 @@ def run(
         if profile not in ("torch", "cuda", "none"):
             raise PerfkitError(f"--profile {profile!r}: allowed values are torch, cuda, none")
         overrides.append(f"capture.profile={profile}")
+    if tp is not None:
+        if tp < 1:
+            raise PerfkitError(f"--tp {tp}: must be >= 1")
+        overrides.append(f"runtime.tensor_parallel={tp}")
     cfg = load_config(config or default_config_path(), overrides)
-    command = " ".join(["perfkit", *sys.argv[1:]]) if sys.argv and sys.argv[0].endswith("perfkit") else "perfkit run"
+    relaunched = maybe_relaunch(cfg.runtime.tensor_parallel)  # outside torchrun with TP > 1: run N ranks, wait
+    if relaunched is not None:
+        raise typer.Exit(relaunched)
+    by_name = sys.argv and (sys.argv[0].endswith("perfkit") or in_torchrun())  # torchrun: argv[0] is tp_launch
+    command = " ".join(["perfkit", *sys.argv[1:]]) if by_name else "perfkit run"
     code = run_suite(cfg, out_dir=out, command=command, console=_console())
     raise typer.Exit(code)
 

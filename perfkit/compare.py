@@ -30,17 +30,19 @@ DIST_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "queue_ms", "per_user
 DEFAULT_DIST = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 DEFAULT_STATS = ("p50", "p90", "p99", "mean")
 THROUGHPUTS = ("output_tok_s", "total_tok_s", "request_s", "goodput_request_s")
+PER_GPU_THROUGHPUTS = ("output_tok_s_per_gpu", "total_tok_s_per_gpu")  # / tensor-parallel world size; higher
 MEMORY_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes")
 NVTX_FIELDS = tuple(f"{w}_{s}_ms" for w in ("host", "device") for s in ("mean", "p50", "p99", "total"))
 
 _METRIC_RE = re.compile(
     r"^(?:(?P<dist>ttft_ms|tpot_ms|itl_ms|e2el_ms|queue_ms|per_user_tok_s)\.(?P<stat>mean|p50|p90|p95|p99)"
-    r"|(?P<tp>output_tok_s|total_tok_s|request_s|goodput_request_s)"
+    r"|(?P<tp>output_tok_s_per_gpu|total_tok_s_per_gpu|output_tok_s|total_tok_s|request_s|goodput_request_s)"
     r"|memory\.(?P<phase>[^.]+)\.(?P<mem>peak_allocated_bytes|peak_reserved_bytes)"
     r"|nvtx\.(?P<range>.+)\.(?P<nv>(?:host|device)_(?:mean|p50|p99|total)_ms))$"
 )
 METRIC_FORMS = (
     "<ttft|tpot|itl|e2el|queue>_ms.<mean|p50|p90|p95|p99>, per_user_tok_s.<stat>, output_tok_s, total_tok_s, request_s, "
+    "output_tok_s_per_gpu, total_tok_s_per_gpu, "
     "goodput_request_s, memory.<phase>.<peak_allocated_bytes|peak_reserved_bytes>, "
     "nvtx.<range>.<host|device>_<mean|p50|p99|total>_ms"
 )
@@ -144,6 +146,11 @@ class Report:
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _direction(path: str) -> st.Direction:
+    """st.direction, plus the per-GPU throughputs (higher is better; their names do not end in _tok_s)."""
+    return "higher" if path in PER_GPU_THROUGHPUTS else st.direction(path)
+
+
 def validate_metric(path: str) -> re.Match[str]:
     m = _METRIC_RE.match(path)
     if m is None:
@@ -164,6 +171,8 @@ def metric_label(path: str) -> tuple[str, str]:
             "total_tok_s": ("total throughput", "tok/s"),
             "request_s": ("request throughput", "req/s"),
             "goodput_request_s": ("goodput", "req/s"),
+            "output_tok_s_per_gpu": ("output throughput / GPU", "tok/s"),
+            "total_tok_s_per_gpu": ("total throughput / GPU", "tok/s"),
         }[m["tp"]]
     if m["mem"]:
         kind = "allocated" if "allocated" in m["mem"] else "reserved"
@@ -198,7 +207,7 @@ def available_metrics(s: ScenarioResult) -> list[str]:
         if d in s.metrics and s.metrics[d].n > 0
     ]
     if s.throughput is not None:
-        out += [t for t in THROUGHPUTS if getattr(s.throughput, t, None) is not None]
+        out += [t for t in THROUGHPUTS + PER_GPU_THROUGHPUTS if getattr(s.throughput, t, None) is not None]
     if s.memory is not None and s.memory.available:
         out += [f"memory.{ph}.{f}" for ph in s.memory.phases for f in MEMORY_FIELDS]
     for name, r in s.nvtx.items():
@@ -210,6 +219,8 @@ def default_metrics(s: ScenarioResult) -> list[str]:
     have = set(available_metrics(s))
     out = [f"{d}.{q}" for d in DEFAULT_DIST for q in DEFAULT_STATS if f"{d}.{q}" in have]
     out += [t for t in THROUGHPUTS if t in have]
+    if s.runtime.get("tp", {}).get("tp_world_size", 1) > 1:  # per-GPU rows only where they differ
+        out += [t for t in PER_GPU_THROUGHPUTS if t in have]
     out += [p for p in available_metrics(s) if p.startswith("memory.") and p.endswith("peak_allocated_bytes")]
     out += [p for p in available_metrics(s) if p.startswith("nvtx.") and p.endswith(("host_mean_ms", "device_mean_ms"))]
     return out
@@ -448,7 +459,7 @@ def compare_metric(
     """One row, or None when the metric is missing on either side."""
     m = validate_metric(path)
     label, unit = metric_label(path)
-    dir_ = st.direction(path)
+    dir_ = _direction(path)
     va = [(s.repeat, _repeat_value(s, path)) for s in a.repeats]
     vb = [(s.repeat, _repeat_value(s, path)) for s in b.repeats]
     va = [(r, v) for r, v in va if v is not None]
@@ -543,7 +554,7 @@ def _noise_notes(a: Side, b: Side, metrics: list[str]) -> list[str]:
             pairs = [(r, v) for r, v in pairs if v is not None]
             if len(pairs) >= 3:
                 diags[metric_label(path)[0]] = st.noise(
-                    [v for _, v in pairs], st.direction(path), [r for r, _ in pairs]
+                    [v for _, v in pairs], _direction(path), [r for r, _ in pairs]
                 )
         notes += st.noise_warnings(side.arm, diags)
     return notes
@@ -624,7 +635,7 @@ class Threshold:
     raw: str
 
     def crossed(self, delta_pct: float) -> bool:
-        return delta_pct > self.pct if st.direction(self.metric) == "lower" else delta_pct < self.pct
+        return delta_pct > self.pct if _direction(self.metric) == "lower" else delta_pct < self.pct
 
 
 def parse_threshold(text: str) -> Threshold:
@@ -635,7 +646,7 @@ def parse_threshold(text: str) -> Threshold:
     validate_metric(metric)
     raw_pct = m["pct"]
     pct = float(raw_pct)
-    if raw_pct[0] not in "+-" and st.direction(metric) == "higher":
+    if raw_pct[0] not in "+-" and _direction(metric) == "higher":
         pct = -pct  # unsigned = the bad direction
     return Threshold(metric, pct, text)
 

@@ -53,6 +53,8 @@ class Throughput(BaseModel):
     request_s: float
     goodput_request_s: float | None = None
     goodput_fraction: float | None = None
+    output_tok_s_per_gpu: float | None = None  # output_tok_s / tensor-parallel world size (the engine runner)
+    total_tok_s_per_gpu: float | None = None
 
 
 class Counts(BaseModel):

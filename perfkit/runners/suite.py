@@ -73,20 +73,42 @@ def _check_supported(cfg: RunConfig) -> None:
 
 
 def run_suite(cfg: RunConfig, out_dir: Path | None, command: str, console: Console) -> int:
-    """Run every scenario of `cfg`; returns the process exit code (0 ok, 1 some scenario failed, 130 Ctrl-C)."""
+    """Run every scenario of `cfg`; returns the process exit code (0 ok, 1 some scenario failed, 130 Ctrl-C).
+
+    Tensor parallelism (`runtime.tensor_parallel` = N > 1): this process is one of N torchrun ranks (`perfkit run
+    --tp N` relaunches itself, see tp_launch). Every rank loads its shard and runs the same scenarios with the
+    same engine steps; rank 0 alone prints and writes the run directory. After each scenario the ranks exchange
+    their status, so a failure on any rank is recorded (by rank 0) and every rank drops its requests and
+    continues. `runner: hf` scenarios are not run under TP: they are recorded with status error."""
     _check_supported(cfg)
     models = cfg.model_list()
     devices = {name: resolve_device(m) for name, m in models}
     arms = {name: [(a, resolve_toggles(t, devices[name])) for a, t in cfg.arm_list()] for name, _ in models}
-    result = Result(
-        run_id=make_run_id(cfg.name, cfg.output.label),
-        command=command,
-        config=cfg.model_dump(mode="json"),
-        provenance=provenance.collect(),
-    )
-    writer = RunWriter(out_dir or Path(cfg.output.dir), result)
+    tp = _init_tp(cfg, devices)
+    rank0 = tp is None or tp.is_rank0
+    prov = provenance.collect() if rank0 else {}
+    if tp is not None:
+        from perfkit.runners.tp_launch import parallel_info
+
+        info = parallel_info(tp)  # collective: every rank
+        if rank0:
+            prov["parallel"] = info
+        console = console if rank0 else Console(quiet=True)
+    writer: RunWriter | None = None
+    if rank0:
+        result = Result(
+            run_id=make_run_id(cfg.name, cfg.output.label),
+            command=command,
+            config=cfg.model_dump(mode="json"),
+            provenance=prov,
+        )
+        writer = RunWriter(out_dir or Path(cfg.output.dir), result)
+    run_dir = Path(writer.dir if writer is not None else ".")
+    if tp is not None:
+        run_dir = Path(tp.broadcast_object(str(run_dir)))  # errors.rank<r>.log of the other ranks go there too
+    tp_note = "" if tp is None else f" on {tp.world_size} tensor-parallel ranks ({tp.backend})"
     console.print(f"perfkit run [bold]{cfg.name}[/]: {len(cfg.scenarios)} scenarios x {len(cfg.arm_list())} arms x "
-                  f"{cfg.repeats} repeats -> {writer.dir}")
+                  f"{cfg.repeats} repeats{tp_note} -> {run_dir}")
     failures = 0
     target: Any = None
     try:
@@ -98,37 +120,103 @@ def run_suite(cfg: RunConfig, out_dir: Path | None, command: str, console: Conso
                 scenarios = [s for s in cfg.scenarios if s.runner == runner]
                 if not scenarios:
                     continue
+                if runner == "hf" and tp is not None:  # the HF peer is single-GPU: recorded, not run
+                    for scenario in scenarios:
+                        for repeat in range(cfg.repeats):
+                            res = _base_result(scenario, prefix + scenario.name, "hf", None, repeat).model_copy(
+                                update={"status": "error", "message": f"runner hf is not run under tensor "
+                                        f"parallelism (TP={tp.world_size}); run it in a --tp 1 suite"})  # fmt: skip
+                            failures += 1
+                            if writer is not None:
+                                writer.add_scenario(res, [])
+                            _print_line(console, res)
+                    continue
                 console.print(f"loading {model_name} for the {runner} runner on {device} ...")
-                target = _load(runner, cfg, mcfg, device, writer.dir, arms[model_name][0][1])
+                target = _load(runner, cfg, mcfg, device, run_dir, arms[model_name][0][1], tp)
                 console.print(target.describe())
                 for scenario in scenarios:
                     for repeat in range(cfg.repeats):
                         for arm_name, toggles in arms[model_name] if runner == "engine" else [("hf", None)]:
                             res, lines = _run_one(target, scenario, prefix + scenario.name, arm_name, toggles,
-                                                  repeat, writer.dir, console)
+                                                  repeat, run_dir, console, rank=0 if tp is None else tp.rank)
+                            if tp is not None:
+                                res, lines = _agree(tp, target, res, lines)
                             failures += res.status != "ok"
-                            writer.add_scenario(res, lines)
+                            if writer is not None:
+                                writer.add_scenario(res, lines)
                             _print_line(console, res)
                 target.close()
                 target = None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # under torchrun every rank gets the signal; no collectives from here on
         if target is not None:
             target.close()
+        if writer is None:
+            return 130
         path = writer.finish("interrupted")
         console.print(f"[yellow]interrupted[/]: {len(writer.result.scenarios)} finished scenarios kept in {path}")
         return 130
-    path = writer.finish("complete")
-    print_summary(console, writer.result)
-    console.print(f"result: {path}")
+    except BaseException:
+        if writer is not None:
+            writer.finish("failed")
+        raise
+    if writer is not None:
+        path = writer.finish("complete")
+        print_summary(console, writer.result)
+        console.print(f"result: {path}")
+    if tp is not None:
+        tp.shutdown()  # barrier first: rank 0 (the rendezvous store) leaves last
     return 1 if failures else 0
 
 
-def _load(runner: str, cfg: RunConfig, mcfg: ModelConfig, device: str, run_dir: Path, toggles: Toggles) -> Any:
+def _init_tp(cfg: RunConfig, devices: dict[str, str]) -> Any:
+    """This rank's TPContext when runtime.tensor_parallel > 1 (the process must be one of its torchrun ranks),
+    else None."""
+    n = cfg.runtime.tensor_parallel
+    if n == 1:
+        return None
+    kinds = set(devices.values())
+    if len(kinds) != 1:
+        raise PerfkitError(f"runtime.tensor_parallel={n}: every model must run on the same device kind (got "
+                           f"{', '.join(sorted(kinds))})")  # fmt: skip
+    from perfkit.runners.tp_launch import in_torchrun, init_tp
+
+    if not in_torchrun():
+        raise PerfkitError(f"runtime.tensor_parallel={n} runs as {n} torchrun ranks: start it with "
+                           f"`perfkit run CONFIG --tp {n}` (it relaunches itself through torchrun)")  # fmt: skip
+    ctx = init_tp(device=kinds.pop())
+    if ctx.world_size != n:
+        raise PerfkitError(f"runtime.tensor_parallel={n} but torchrun started {ctx.world_size} ranks")
+    return ctx
+
+
+def _agree(tp: Any, target: Any, res: ScenarioResult, lines: list[dict[str, Any]]) -> tuple[ScenarioResult, list]:
+    """After a scenario, on every rank: gather every rank's outcome. A failure anywhere fails the scenario
+    everywhere (ranks that succeeded drop their requests too, so the engines stay identical); ranks that
+    finished with different token counts or step counts diverged (an error). Rank 0's result carries it."""
+    mine = (res.status, res.message, res.counts.output_tokens if res.counts else None, res.runtime.get("steps"))
+    every = tp.all_gather_object(mine)
+    bad = [(r, st, msg) for r, (st, msg, _, _) in enumerate(every) if st != "ok"]
+    if not bad and len({(o, n) for _, _, o, n in every}) > 1:
+        detail = ", ".join(f"rank {r}: {o} tokens in {n} steps" for r, (_, _, o, n) in enumerate(every))
+        bad = [(0, "error", f"tensor parallel ranks diverged ({detail})")]
+    if not bad:
+        return res, lines
+    if res.status == "ok":
+        target.recover()
+    r, status, msg = next(((r, st, m) for r, st, m in bad if st == "oom"), bad[0])
+    status = "oom" if any(st == "oom" for _, st, _ in bad) else status
+    where = f"rank {r}: " if not (msg or "").startswith("tensor parallel") else ""
+    return res.model_copy(update={"status": status, "message": f"{where}{msg or ''}"[:500]}), []
+
+
+def _load(
+    runner: str, cfg: RunConfig, mcfg: ModelConfig, device: str, run_dir: Path, toggles: Toggles, tp: Any = None
+) -> Any:
     if runner == "hf":
         from perfkit.runners.hf_peer import load_hf_target
 
         return load_hf_target(cfg, mcfg, device, model_config_for(mcfg))
-    return load_target(cfg, mcfg, device, run_dir, toggles)
+    return load_target(cfg, mcfg, device, run_dir, toggles, tp)
 
 
 def _run_one(
@@ -140,17 +228,9 @@ def _run_one(
     repeat: int,
     run_dir: Path,
     console: Console,
+    rank: int = 0,
 ) -> tuple[ScenarioResult, list[dict[str, Any]]]:
-    base = ScenarioResult(
-        name=name,
-        arm_name=arm_name,
-        arm=toggles.model_dump() if toggles is not None else {"runner": "hf"},
-        repeat=repeat,
-        runner=scenario.runner,
-        workload=WorkloadInfo(spec=scenario.workload.model_dump(mode="json"),
-                              hash=stable_hash(scenario.model_dump(mode="json"))),
-        started_unix_s=time.time(),
-    )
+    base = _base_result(scenario, name, arm_name, toggles, repeat)
     total = scenario.num_requests
     with Progress(
         TextColumn(f"{name} [{arm_name} #{repeat}]"),
@@ -175,11 +255,26 @@ def _run_one(
         except Exception as err:  # noqa: BLE001 - recorded per scenario, the run continues
             target.recover()
             status = "oom" if _is_oom(err) else "error"
-            with open(run_dir / "errors.log", "a") as f:
+            with open(run_dir / ("errors.log" if rank == 0 else f"errors.rank{rank}.log"), "a") as f:
                 f.write(f"--- {name} arm={arm_name} repeat={repeat}\n{traceback.format_exc()}\n")
             msg = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             return base.model_copy(update={"status": status, "message": msg[:500]}), []
     return res, lines
+
+
+def _base_result(
+    scenario: ScenarioConfig, name: str, arm_name: str, toggles: Toggles | None, repeat: int
+) -> ScenarioResult:
+    return ScenarioResult(
+        name=name,
+        arm_name=arm_name,
+        arm=toggles.model_dump() if toggles is not None else {"runner": "hf"},
+        repeat=repeat,
+        runner=scenario.runner,
+        workload=WorkloadInfo(spec=scenario.workload.model_dump(mode="json"),
+                              hash=stable_hash(scenario.model_dump(mode="json"))),
+        started_unix_s=time.time(),
+    )
 
 
 def _is_oom(err: BaseException) -> bool:

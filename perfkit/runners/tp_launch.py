@@ -163,6 +163,16 @@ class TPContext:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
         return int(t.item())
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """[obj of rank 0, obj of rank 1, ...] on every rank (per-scenario status, device names)."""
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        objs: list[Any] = [None] * self.world_size
+        dist.all_gather_object(objs, obj, group=self.control_group)
+        return objs
+
     def assert_identical(self, obj: Any, what: str = "value") -> None:
         """Debug guard: raise on every rank when `obj` differs between ranks (e.g. a step's scheduled ids)."""
         if self.world_size == 1:
@@ -189,6 +199,21 @@ class TPContext:
             if self.world_size > 1:
                 dist.barrier(group=self.control_group)
             dist.destroy_process_group()
+
+
+def parallel_info(ctx: TPContext) -> dict[str, Any]:
+    """provenance["parallel"]: world size, backend, NCCL version and every rank's device name. Collective (the
+    device names are gathered): every rank calls it; the result is the same on every rank."""
+    info: dict[str, Any] = {"tp": ctx.world_size, "world_size": ctx.world_size, "backend": ctx.backend}
+    if ctx.device.type == "cuda":
+        v = torch.cuda.nccl.version()
+        info["nccl_version"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        name = torch.cuda.get_device_name(ctx.device)
+    else:
+        name = "cpu"
+    info["devices"] = ctx.all_gather_object(name)
+    info["env"] = {k: os.environ.get(k) for k in NCCL_ENV}
+    return info
 
 
 def init_tp(device: str = "auto", timeout_s: float = 1800.0) -> TPContext:

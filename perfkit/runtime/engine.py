@@ -90,10 +90,13 @@ class EngineStats:
 
 class Engine:
     def __init__(
-        self, model, cfg, engine_config: EngineConfig | None = None, vision_tower=None, ranges=None, memory=None
-    ):
+        self, model, cfg, engine_config: EngineConfig | None = None, vision_tower=None, ranges=None, memory=None,
+        agree_kv_pages=None,
+    ):  # fmt: skip
         """`ranges` (NVTX + timings, `.range(name)`) and `memory` (`.phase(name)`) are the capture instruments;
-        the runner passes perfkit.capture's RangeRecorder and MemoryTracker, tests may omit them."""
+        the runner passes perfkit.capture's RangeRecorder and MemoryTracker, tests may omit them.
+        `agree_kv_pages` ({pool: pages} -> {pool: pages}): tensor parallelism passes the minimum over ranks here,
+        so every rank builds the same pools and schedules identically (the engine itself stays single-process)."""
         ec = engine_config or EngineConfig()
         self._recorder = ranges if ranges is not None else NULL_CAPTURE  # toggle nvtx=off swaps in NULL_CAPTURE
         self.ranges = self._recorder
@@ -108,6 +111,7 @@ class Engine:
         self._generators: dict[int, torch.Generator] = {}
         self._graph_capture_s = 0.0
         self._steps = 0
+        self._agree_kv_pages = agree_kv_pages
         self._validate_toggles(ec)
         model.set_fused(ec.fused_kernels)
         if model.rope is None or model.rope.max_positions < ec.max_model_len:
@@ -133,7 +137,8 @@ class Engine:
         else:
             free, frac = _CPU_KV_BUDGET_BYTES, ec.kv_cache_fraction
         plan = plan_kv_pages(free, frac, self.cfg, ec.page_size, self.kv_dtype, ec.max_batch_size, ec.max_num_tokens)
-        return plan.num_pages
+        pages = dict(plan.num_pages)
+        return pages if self._agree_kv_pages is None else self._agree_kv_pages(pages)
 
     def _measure_free_bytes(self) -> int:
         """Warm up with one max_num_tokens prefill on a minimal cache, then read the driver's free memory (the
