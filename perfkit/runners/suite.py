@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.resources
 import importlib.util
 import os
+import signal
 import time
 import traceback
 from pathlib import Path
@@ -111,6 +112,8 @@ def run_suite(cfg: RunConfig, out_dir: Path | None, command: str, console: Conso
                   f"{cfg.repeats} repeats{tp_note} -> {run_dir}")
     failures = 0
     target: Any = None
+    if tp is not None:  # torchrun stops the ranks with SIGTERM (Ctrl-C, another rank died): flush like Ctrl-C
+        signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
         for model_name, mcfg in models:
             prefix = f"{model_name}/" if len(models) > 1 else ""
@@ -148,6 +151,8 @@ def run_suite(cfg: RunConfig, out_dir: Path | None, command: str, console: Conso
                 target.close()
                 target = None
     except KeyboardInterrupt:  # under torchrun every rank gets the signal; no collectives from here on
+        if tp is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the flush short
         if target is not None:
             target.close()
         if writer is None:
@@ -166,6 +171,10 @@ def run_suite(cfg: RunConfig, out_dir: Path | None, command: str, console: Conso
     if tp is not None:
         tp.shutdown()  # barrier first: rank 0 (the rendezvous store) leaves last
     return 1 if failures else 0
+
+
+def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _init_tp(cfg: RunConfig, devices: dict[str, str]) -> Any:
