@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -242,7 +243,7 @@ def _run_one(
     base = _base_result(scenario, name, arm_name, toggles, repeat)
     total = scenario.num_requests
     with Progress(
-        TextColumn(f"{name} [{arm_name} #{repeat}]"),
+        TextColumn(escape(f"{name} [{arm_name} #{repeat}]")),
         BarColumn(),
         TextColumn("{task.completed}/{task.total} req"),
         TextColumn("{task.fields[tok_s]:>8.1f} tok/s"),
@@ -296,13 +297,17 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _label(res: ScenarioResult) -> str:
+    return f"{res.name} [{res.arm_name} #{res.repeat}]"
+
+
 def _print_line(console: Console, res: ScenarioResult) -> None:
     if res.status != "ok":
-        console.print(f"  {res.name} [{res.arm_name} #{res.repeat}]: [red]{res.status}[/] {res.message or ''}")
+        console.print(f"  {escape(_label(res))}: [red]{res.status}[/] {escape(res.message or '')}")
         return
     m, t = res.metrics, res.throughput
     console.print(
-        f"  {res.name} [{res.arm_name} #{res.repeat}]: TTFT p50 {_fmt(m['ttft_ms'].p50)} ms, "
+        f"  {escape(_label(res))}: TTFT p50 {_fmt(m['ttft_ms'].p50)} ms, "
         f"TPOT p50 {_fmt(m['tpot_ms'].p50, '.2f')} ms, {_fmt(t.output_tok_s if t else None)} out tok/s"
     )
 
