@@ -386,14 +386,28 @@ class Gemma4ForCausalLM(nn.Module):
         """[T] bool: image/video placeholders (replaced by mm_embeds rows)."""
         return (input_ids == self.cfg.image_token_id) | (input_ids == self.cfg.video_token_id)
 
+    # Table lookups and the LM head matmul, the only steps tensor parallelism changes: perfkit.runtime.tp overrides
+    # these three with their vocab-sharded forms and inherits everything around them (mm merge, scales, soft-cap).
+    def _token_embeddings(self, text_ids: Tensor) -> Tensor:
+        """Unscaled rows of the token embedding table: [T] -> [T, H]."""
+        return F.embedding(text_ids, self.embed_tokens.weight)
+
+    def _per_layer_token_embeddings(self, text_ids: Tensor) -> Tensor:
+        """Unscaled rows of the PLE table: [T] -> [T, L * P]."""
+        return F.embedding(text_ids, self.embed_tokens_per_layer.weight)
+
+    def _lm_head(self, x: Tensor) -> Tensor:
+        """Normed final hidden [N, H] -> logits [N, V] in the model dtype (tied embedding as LM head)."""
+        return F.linear(x, self.embed_tokens.weight)
+
     def embed(self, input_ids: Tensor, mm_embeds: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """-> (h0 [T, H] with mm rows merged, text ids [T] with every MM placeholder replaced by pad)."""
         cfg = self.cfg
         mm = self.multimodal_mask(input_ids)
         placeholders = mm | (input_ids == cfg.audio_token_id)
         text_ids = torch.where(placeholders, cfg.pad_token_id, input_ids)
-        w = self.embed_tokens.weight
-        h = F.embedding(text_ids, w) * round_to(cfg.embed_scale, w.dtype)  # [T, H]; sqrt(H) rounded (bf16: 73.5)
+        scale = round_to(cfg.embed_scale, self.embed_tokens.weight.dtype)  # sqrt(H) rounded (bf16: 73.5)
+        h = self._token_embeddings(text_ids) * scale  # [T, H]
         if mm_embeds is not None:
             n = int(mm.sum())
             if n != mm_embeds.shape[0]:
@@ -405,8 +419,8 @@ class Gemma4ForCausalLM(nn.Module):
         """PLE (§2.3) -> [T, L, P]: (RMSNorm(h0 @ Wproj.T / sqrt(H)) + table[ids] * sqrt(P)) / sqrt(2)."""
         cfg = self.cfg
         T, L, P = h0.shape[0], cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
-        w = self.embed_tokens_per_layer.weight
-        tok = (F.embedding(text_ids, w) * round_to(P**0.5, w.dtype)).view(T, L, P)
+        scale = round_to(P**0.5, self.embed_tokens_per_layer.weight.dtype)
+        tok = (self._per_layer_token_embeddings(text_ids) * scale).view(T, L, P)
         proj = (self.per_layer_model_projection(h0) * cfg.hidden_size**-0.5).view(T, L, P)
         proj = self.per_layer_projection_norm(proj)
         return (proj + tok) * 2.0**-0.5
@@ -432,7 +446,7 @@ class Gemma4ForCausalLM(nn.Module):
 
     def logits(self, h: Tensor) -> Tensor:
         """[N, H] final hidden -> float32 soft-capped logits [N, V] (tied embedding as LM head)."""
-        logits = F.linear(self.norm(h), self.embed_tokens.weight).float()
+        logits = self._lm_head(self.norm(h)).float()
         cap = self.cfg.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -51,7 +51,7 @@ from torch import Tensor, nn
 
 from perfkit.errors import PerfkitError
 from perfkit.runtime.attention.base import AttnLayer
-from perfkit.runtime.model import Gemma4ForCausalLM, round_to
+from perfkit.runtime.model import Gemma4ForCausalLM
 from perfkit.runtime.model_config import Gemma4Config
 
 __all__ = [
@@ -267,45 +267,26 @@ class _ExpertParallel:
 
 
 class _TPModel:
-    """Vocab-parallel embedding lookups and LM head on Gemma4ForCausalLM (mirrors its embed / logits /
-    per_layer_inputs, with the table lookups and the head matmul replaced by their sharded forms)."""
+    """Vocab-parallel embedding lookups and LM head on Gemma4ForCausalLM: overrides only the model's table-lookup
+    and head hooks with their sharded forms; embed / per_layer_inputs / logits (mm merge, scales, soft-cap) are
+    the model's own code."""
 
     tp: TPInfo
     cfg: Gemma4Config
 
-    def embed(self, input_ids: Tensor, mm_embeds: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        cfg = self.cfg
-        mm = self.multimodal_mask(input_ids)  # type: ignore[attr-defined]
-        placeholders = mm | (input_ids == cfg.audio_token_id)
-        text_ids = torch.where(placeholders, cfg.pad_token_id, input_ids)
+    def _token_embeddings(self, text_ids: Tensor) -> Tensor:
         w = self.embed_tokens.weight  # type: ignore[attr-defined]
-        h = vocab_parallel_embedding(text_ids, w, self.tp.vocab_start, self.tp) * round_to(cfg.embed_scale, w.dtype)
-        if mm_embeds is not None:
-            n = int(mm.sum())
-            if n != mm_embeds.shape[0]:
-                raise ValueError(f"mm_embeds has {mm_embeds.shape[0]} rows for {n} image/video placeholder tokens")
-            h = h.masked_scatter(mm[:, None], mm_embeds.to(h.dtype))
-        return h, text_ids
+        return vocab_parallel_embedding(text_ids, w, self.tp.vocab_start, self.tp)
 
-    def per_layer_inputs(self, text_ids: Tensor, h0: Tensor) -> Tensor:
-        if self.tp.ple_vocab_start is None:  # replicated PLE table: the model's own code
-            return super().per_layer_inputs(text_ids, h0)  # type: ignore[misc]
-        cfg = self.cfg
-        T, L, P = h0.shape[0], cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
+    def _per_layer_token_embeddings(self, text_ids: Tensor) -> Tensor:
+        if self.tp.ple_vocab_start is None:  # replicated PLE table: the model's own lookup
+            return super()._per_layer_token_embeddings(text_ids)  # type: ignore[misc]
         w = self.embed_tokens_per_layer.weight  # type: ignore[attr-defined]
-        tok = vocab_parallel_embedding(text_ids, w, self.tp.ple_vocab_start, self.tp)
-        tok = (tok * round_to(P**0.5, w.dtype)).view(T, L, P)
-        proj = (self.per_layer_model_projection(h0) * cfg.hidden_size**-0.5).view(T, L, P)  # type: ignore[attr-defined]
-        proj = self.per_layer_projection_norm(proj)  # type: ignore[attr-defined]
-        return (proj + tok) * 2.0**-0.5
+        return vocab_parallel_embedding(text_ids, w, self.tp.ple_vocab_start, self.tp)
 
-    def logits(self, h: Tensor) -> Tensor:
-        local = F.linear(self.norm(h), self.embed_tokens.weight)  # type: ignore[attr-defined]  # [N, V/w]
-        logits = _all_gather_last(local, self.tp)[:, : self.cfg.vocab_size].float()
-        cap = self.cfg.final_logit_softcapping
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+    def _lm_head(self, x: Tensor) -> Tensor:
+        local = F.linear(x, self.embed_tokens.weight)  # type: ignore[attr-defined]  # [N, V/w]
+        return _all_gather_last(local, self.tp)[:, : self.cfg.vocab_size]
 
 
 def _set_param(module: nn.Module, name: str, value: Tensor) -> None:
