@@ -1,18 +1,13 @@
 """Gemma4 packed sliding-layer mask: Triton (B) and dense (A) paths against a rule-based numpy reference.
 
-On CPU the Triton kernels run under TRITON_INTERPRET=1, which must be set before triton is imported.
+On CPU the Triton kernels run under TRITON_INTERPRET=1, set by tests/conftest.py before triton is imported.
 """
-
-import os
 
 import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from perfkit.kernels.gemma_mask import (  # noqa: E402
+from perfkit.kernels.gemma_mask import (
     build_gemma_attention_mask,
     gemma_mask,
     gemma_mask_peak_bytes,

@@ -1,15 +1,10 @@
 """Kernel sweep runner: rows, statuses, OOM handling; on CPU the Triton path runs under TRITON_INTERPRET=1."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from perfkit.kernels import gemma_mask as gm  # noqa: E402
-from perfkit.runners.kernel_sweep import image_heavy_token_types, run_mask_sweep  # noqa: E402
+from perfkit.kernels import gemma_mask as gm
+from perfkit.runners.kernel_sweep import image_heavy_token_types, run_mask_sweep
 
 
 def test_image_heavy_layout():

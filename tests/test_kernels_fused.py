@@ -1,23 +1,20 @@
 """Fused Triton kernels (rmsnorm, gelu_mul, qk_norm_rope, moe) against their PyTorch references, their traffic
 formulas against hand counts, and the model's fused path (`set_fused(True)`) against the unfused one.
 
-On CPU the kernels run under TRITON_INTERPRET=1 (set before triton is imported). Tolerances: fp32 io, the kernel
-and the reference differ only in summation order: atol/rtol 1e-5. bf16 io: the kernels compute in fp32 and round
-once, so they are compared with the reference evaluated in fp32 on the same bf16 inputs: rtol 2^-7 (two bf16
-ulps), atol 1e-2 x the output scale; MoE rounds its [T*K, I] / [T*K, H] intermediates to bf16 too: 2e-2.
+On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py sets it before triton is imported).
+Tolerances: fp32 io, the kernel and the reference differ only in summation order: atol/rtol 1e-5. bf16 io: the
+kernels compute in fp32 and round once, so they are compared with the reference evaluated in fp32 on the same
+bf16 inputs: rtol 2^-7 (two bf16 ulps), atol 1e-2 x the output scale; MoE rounds its [T*K, I] / [T*K, H]
+intermediates to bf16 too: 2e-2.
 """
 
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from perfkit.kernels.gelu_mul import gelu_mul, gelu_mul_cat, gelu_mul_ref, gelu_mul_traffic  # noqa: E402
-from perfkit.kernels.moe import (  # noqa: E402
+from perfkit.kernels.gelu_mul import gelu_mul, gelu_mul_cat, gelu_mul_ref, gelu_mul_traffic
+from perfkit.kernels.moe import (
     expected_active_experts,
     fused_moe,
     fused_moe_ref,
@@ -26,7 +23,7 @@ from perfkit.kernels.moe import (  # noqa: E402
     moe_routing,
     moe_routing_ref,
 )
-from perfkit.kernels.qk_norm_rope import (  # noqa: E402
+from perfkit.kernels.qk_norm_rope import (
     head_norm,
     head_norm_ref,
     k_norm_rope_v_norm,
@@ -35,7 +32,7 @@ from perfkit.kernels.qk_norm_rope import (  # noqa: E402
     qk_norm_rope_ref,
     qk_norm_rope_traffic,
 )
-from perfkit.kernels.rmsnorm import (  # noqa: E402
+from perfkit.kernels.rmsnorm import (
     rmsnorm,
     rmsnorm_ref,
     rmsnorm_traffic,
@@ -43,11 +40,11 @@ from perfkit.kernels.rmsnorm import (  # noqa: E402
     sandwich_rmsnorm_ref,
     sandwich_rmsnorm_traffic,
 )
-from perfkit.runtime.attention.contiguous import ContiguousAttention  # noqa: E402
-from perfkit.runtime.generate import greedy_generate  # noqa: E402
-from perfkit.runtime.model import rope_inv_freq  # noqa: E402
-from perfkit.runtime.model_config import get_preset  # noqa: E402
-from perfkit.runtime.weights import build_model  # noqa: E402
+from perfkit.runtime.attention.contiguous import ContiguousAttention
+from perfkit.runtime.generate import greedy_generate
+from perfkit.runtime.model import rope_inv_freq
+from perfkit.runtime.model_config import get_preset
+from perfkit.runtime.weights import build_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6

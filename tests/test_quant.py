@@ -1,6 +1,7 @@
 """FP8 / NVFP4 quantisation: quantiser error bounds, the W4A16 Triton kernel against its torch reference, FP8
 linear, and model-level agreement of the quantised tiny models with the models built from the dequantised
-weights. On CPU the Triton kernel runs under TRITON_INTERPRET=1 (set before triton is imported).
+weights. On CPU the Triton kernel runs under TRITON_INTERPRET=1 (tests/conftest.py sets it before triton is
+imported).
 
 Tolerances (and why):
 - NVFP4 W4A16: the kernel multiplies by exactly the dequantised weights (e2m1 * e4m3 is exact in bf16/fp32), so
@@ -22,11 +23,8 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from perfkit.errors import PerfkitError  # noqa: E402
-from perfkit.kernels.fp8 import (  # noqa: E402
+from perfkit.errors import PerfkitError
+from perfkit.kernels.fp8 import (
     FP8_MAX,
     dequantize_fp8_rowwise,
     fp8_linear_ref,
@@ -34,7 +32,7 @@ from perfkit.kernels.fp8 import (  # noqa: E402
     quantize_fp8_per_token,
     quantize_fp8_rowwise,
 )
-from perfkit.kernels.w4a16_gemm import (  # noqa: E402
+from perfkit.kernels.w4a16_gemm import (
     E2M1_VALUES,
     W4A16Config,
     dequantize_nvfp4,
@@ -46,10 +44,10 @@ from perfkit.kernels.w4a16_gemm import (  # noqa: E402
     w4a16_gemm_ref,
     w4a16_gemm_traffic,
 )
-from perfkit.runtime.attention.contiguous import ContiguousAttention  # noqa: E402
-from perfkit.runtime.generate import greedy_generate  # noqa: E402
-from perfkit.runtime.model_config import get_preset, to_hf_config  # noqa: E402
-from perfkit.runtime.quant import (  # noqa: E402
+from perfkit.runtime.attention.contiguous import ContiguousAttention
+from perfkit.runtime.generate import greedy_generate
+from perfkit.runtime.model_config import get_preset, to_hf_config
+from perfkit.runtime.quant import (
     Fp8Linear,
     Nvfp4Linear,
     QuantizedExperts,
@@ -61,7 +59,7 @@ from perfkit.runtime.quant import (  # noqa: E402
     nvfp4_backend,
     quantize_model_,
 )
-from perfkit.runtime.weights import build_model  # noqa: E402
+from perfkit.runtime.weights import build_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
