@@ -80,6 +80,13 @@ def _norm_row(v, N, eps):
 
 
 @triton.jit
+def _store_next(hn, w_ptr, mult, y_row_ptr, cols, cm):
+    """One following pre-norm of the sandwich: ``y = norm(h) * w * mult``, stored in y's dtype."""
+    y = hn * tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32) * mult
+    tl.store(y_row_ptr + cols, y.to(y_row_ptr.dtype.element_ty), mask=cm)
+
+
+@triton.jit
 def _sandwich_kernel(
     x_ptr,  # [R, N] block output (attention / MLP / PLE projection)
     x2_ptr,  # [R, N] second block output (HAS_X2: MoE experts)
@@ -124,14 +131,11 @@ def _sandwich_kernel(
     tl.store(h_ptr + row * N + cols, h.to(h_ptr.dtype.element_ty), mask=cm)
     if NUM_NEXT > 0:
         hn = _norm_row(h, N, eps)
-        y = hn * tl.load(w1_ptr + cols, mask=cm, other=0.0).to(tl.float32) * mult1
-        tl.store(y1_ptr + row * N + cols, y.to(y1_ptr.dtype.element_ty), mask=cm)
+        _store_next(hn, w1_ptr, mult1, y1_ptr + row * N, cols, cm)
         if NUM_NEXT > 1:
-            y = hn * tl.load(w2_ptr + cols, mask=cm, other=0.0).to(tl.float32) * mult2
-            tl.store(y2_ptr + row * N + cols, y.to(y2_ptr.dtype.element_ty), mask=cm)
+            _store_next(hn, w2_ptr, mult2, y2_ptr + row * N, cols, cm)
         if NUM_NEXT > 2:
-            y = hn * tl.load(w3_ptr + cols, mask=cm, other=0.0).to(tl.float32) * mult3
-            tl.store(y3_ptr + row * N + cols, y.to(y3_ptr.dtype.element_ty), mask=cm)
+            _store_next(hn, w3_ptr, mult3, y3_ptr + row * N, cols, cm)
 
 
 # --------------------------------------------------------------------------------------------------------------
