@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 import torch
+from hf_random import randomize_parameters_
 
 from perfkit.runtime.vision import (
     SOFT_TOKEN_BUDGETS,
@@ -48,13 +49,7 @@ def _hf_vision_config(cfg, attn="sdpa") -> Gemma4VisionConfig:
 def _randomize_hf(vision, embed, seed: int) -> None:
     """Random weights everywhere, incl. non-trivial norms, finite clip ranges that bind, standardize."""
     g = torch.Generator().manual_seed(seed)
-    for name, p in list(vision.named_parameters()) + list(embed.named_parameters()):
-        if name.endswith("norm.weight"):
-            p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-        elif "position_embedding_table" in name:
-            p.copy_(0.5 * torch.randn(p.shape, generator=g))
-        else:
-            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    randomize_parameters_(list(vision.named_parameters()) + list(embed.named_parameters()), g)
     for name, b in vision.named_buffers():
         leaf = name.rsplit(".", 1)[-1]
         if leaf == "input_min":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_random import randomize_parameters_
 
 from perfkit.runtime.attention.contiguous import ContiguousAttention
 from perfkit.runtime.model_config import get_preset, to_hf_config
@@ -29,13 +30,7 @@ SOFT = 70
 @torch.no_grad()
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-        elif "position_embedding_table" in name:
-            p.copy_(0.5 * torch.randn(p.shape, generator=g))
-        else:
-            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    randomize_parameters_(model.named_parameters(), g)
     for name, b in model.named_buffers():
         leaf = name.rsplit(".", 1)[-1]
         if leaf == "layer_scalar":
