@@ -394,16 +394,10 @@ def build_sharded_model(
     dtype): every full tensor is drawn in state-dict order into a temporary on `device` and sliced, so a shard
     equals slicing the full random model. weights="hf": every tensor is read from the checkpoint (CPU, memory-
     mapped) and sliced. Peak extra memory: the largest single full tensor (31B: embed_tokens, 2.8 GB bf16)."""
-    from perfkit.runtime.weights import INIT_STD, load_hf_state
+    from perfkit.runtime.weights import INIT_STD, open_weights
 
     device = torch.device(device)
-    state = None
-    if weights == "hf":
-        if path is None:
-            raise PerfkitError('weights="hf" needs a checkpoint directory (path=...)')
-        state = load_hf_state(path)
-    elif weights != "random":
-        raise PerfkitError(f"unknown weights {weights!r}; allowed: random, hf")
+    state = open_weights(weights, path)
     model = Gemma4ForCausalLM(cfg, device="meta", dtype=dtype)
     full_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     slices = shard_slices(cfg, rank, world_size, ple)

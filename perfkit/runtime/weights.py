@@ -92,6 +92,18 @@ def load_hf_state(path: str | Path) -> HFState:
     return HFState(path)
 
 
+def open_weights(weights: str, path: str | Path | None) -> HFState | None:
+    """The `weights` argument of the model builders (here and perfkit.runtime.tp), checked in one place:
+    "random" -> None (the caller draws seeded weights), "hf" -> the checkpoint at `path` (lazily read)."""
+    if weights == "hf":
+        if path is None:
+            raise PerfkitError('weights="hf" needs a checkpoint directory (path=...)')
+        return load_hf_state(path)
+    if weights != "random":
+        raise PerfkitError(f"unknown weights {weights!r}; allowed: random, hf")
+    return None
+
+
 def build_model(
     cfg: Gemma4Config | None,
     device: torch.device | str,
@@ -103,15 +115,9 @@ def build_model(
     """Gemma4ForCausalLM on `device` at `dtype`, in eval mode without grads. `cfg=None` with weights="hf" reads
     the checkpoint's config.json."""
     device = torch.device(device)
-    state = None
-    if weights == "hf":
-        if path is None:
-            raise PerfkitError('weights="hf" needs a checkpoint directory (path=...)')
-        state = load_hf_state(path)
-        if cfg is None:
-            cfg = from_hf_config(state.config, name=Path(path).name)
-    elif weights != "random":
-        raise PerfkitError(f"unknown weights {weights!r}; allowed: random, hf")
+    state = open_weights(weights, path)
+    if state is not None and cfg is None:
+        cfg = from_hf_config(state.config, name=Path(path).name)
     if cfg is None:
         raise PerfkitError('build_model needs a config unless weights="hf"')
     model = Gemma4ForCausalLM(cfg, device="meta", dtype=dtype)
