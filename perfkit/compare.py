@@ -571,11 +571,9 @@ def compare(
     extra_metrics: Sequence[str] = (),
 ) -> Report:
     """Load, align and compare. `metrics`: patterns selecting rows (default: the standard PR set)."""
-    a = load(a_path)
-    b = load(b_path) if b_path is not None else a
     return compare_loaded(
-        a,
-        None if b_path is None else b,
+        load(a_path),
+        None if b_path is None else load(b_path),
         metrics,
         seed=seed,
         n_resamples=n_resamples,
