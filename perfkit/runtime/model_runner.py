@@ -74,8 +74,10 @@ class ModelRunner:
         n_pad = 0 if graph_bs is None else graph_bs - b
         tables = self.page_tables.build(state, pad_to=graph_bs)
 
-        ids = np.fromiter((t for c in chunks for t in c.req.token_ids[c.start : c.end]), np.int64, int(q_lens.sum()))
-        positions = np.concatenate([np.arange(s, s + q) for s, q in zip(starts, q_lens, strict=True)])
+        n_tok = int(q_lens.sum())
+        ids = np.fromiter((t for c in chunks for t in c.req.token_ids[c.start : c.end]), np.int64, n_tok)
+        # token k of chunk r sits at position starts[r] + k: one vectorised expression, not an arange per chunk
+        positions = np.repeat(starts - (np.cumsum(q_lens) - q_lens), q_lens) + np.arange(n_tok)
         ids = np.concatenate([ids, np.zeros(n_pad, np.int64)])
         positions = np.concatenate([positions, np.zeros(n_pad, np.int64)])
         qo = np.zeros(b + n_pad + 1, np.int64)
