@@ -167,6 +167,8 @@ class ModelRunner:
         """Rows for every image/video placeholder of the step, in token order. Placeholders of the prompt of a
         request with mm_items take the request's soft tokens; any other placeholder id (a generated token, a
         prompt without items) gets its own text embedding, exactly what the model computes without mm_embeds."""
+        if not any(c.req.mm_items for c in sched.chunks):
+            return None  # no soft tokens to merge (the common text-only step): skip the per-chunk placeholder scan
         parts: list[torch.Tensor] = []
         text_ids: list[tuple[int, int]] = []  # (index into parts, token id) filled after the loop
         any_vision = False
