@@ -124,8 +124,8 @@ def test_ctrl_c_keeps_finished_scenarios_and_exits_130(tmp_path, monkeypatch):
     [
         ("toggles.attention=flashinfer",
          "error: toggles.attention=flashinfer cannot run here: no CUDA device; use attention: torch or auto"),
-        ("runtime.kv_dtype=fp8",
-         "error: runtime.kv_dtype=fp8: FP8 KV is not implemented in this perfkit yet; use kv_dtype: bf16"),
+        ("model.device=cuda",
+         "error: model.device is cuda but no CUDA GPU is visible; run on a GPU machine or use --set model.device=auto"),
     ],
 )
 def test_impossible_run_is_one_line_exit_2(tmp_path, override, line):

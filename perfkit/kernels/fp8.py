@@ -8,6 +8,8 @@ Format of one quantised [N, K] linear: ``weight`` float8_e4m3fn [N, K], ``weight
 - :func:`fp8_linear_ref`: the same numerics in torch on any device: fake-quantise x per token (unless
   ``quantize_input=False``), dequantise W, multiply in fp32.
 - :func:`fp8_per_tensor_scale`: ``amax / 448`` helper (e.g. for an FP8 KV cache's per-tensor scales).
+- :func:`quantize_fp8_per_tensor` / :func:`dequantize_fp8_per_tensor`: one fixed Python-float scale for a whole
+  tensor (the FP8 KV cache: ``stored = clamp(x / scale, +-448)``, ``x ~ float(stored) * scale``); graph-capturable.
 """
 
 from __future__ import annotations
@@ -28,6 +30,16 @@ def fp8_supported(device: torch.device | str) -> bool:
 def fp8_per_tensor_scale(t: torch.Tensor) -> torch.Tensor:
     """fp32 scalar ``amax(|t|) / 448`` (>= 1e-12): ``t / scale`` fits e4m3."""
     return (t.detach().abs().amax().float() / FP8_MAX).clamp(min=_MIN_SCALE)
+
+
+def quantize_fp8_per_tensor(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``(x / scale).clamp(-448, 448)`` rounded to float8_e4m3fn, computed in fp32 (one rounding, saturating)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_fp8_per_tensor(q: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``float(q) * scale`` in fp32, cast to `dtype` (one rounding)."""
+    return (q.float() * scale).to(dtype)
 
 
 def quantize_fp8_rowwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

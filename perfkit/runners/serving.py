@@ -152,6 +152,8 @@ class ServingTarget:
             "graph_batch_sizes": st.graph_batch_sizes,
             "graph_capture_s": round(st.graph_capture_s, 3),
             "encoder_calls": st.encoder_calls,
+            "kv_dtype": st.kv_dtype,
+            "kv_scales": st.kv_scales,
             "setup_s": self.setup_s,
             "quant": self.quant,
             "tp": self.tp_summary,
@@ -236,6 +238,7 @@ class ServingTarget:
             decode_step_ms=tpot,
             prefill_seq_lens=[isl] if batch == 1 else None,
             prefill_ms=ttft,
+            kv_dtype_bytes=float(self.engine.kv.dtype.itemsize),
         )
 
 
@@ -320,7 +323,7 @@ def load_target(
         max_batch_size=rt.max_batch_size,
         max_num_tokens=rt.max_num_tokens,
         max_model_len=rt.max_model_len,
-        kv_dtype="auto",  # the model dtype; fp8 KV is refused before we get here
+        kv_dtype="fp8" if rt.kv_dtype == "fp8" else "auto",  # bf16 means the model dtype (float32 on CPU tests)
         cuda_graphs=toggles.cuda_graphs == "on",
         page_table=toggles.page_table,
         mask=toggles.mask,

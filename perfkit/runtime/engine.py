@@ -18,7 +18,7 @@ import torch
 
 from perfkit.errors import PerfkitError
 from perfkit.runtime.block_manager import BlockManager
-from perfkit.runtime.kv_cache import PagedKVCache, plan_kv_pages, pool_specs
+from perfkit.runtime.kv_cache import KVScales, PagedKVCache, plan_kv_pages, pool_specs, rmsnorm_bound_kv_scales
 from perfkit.runtime.model_runner import ModelRunner
 from perfkit.runtime.page_table import make_page_table_builder
 from perfkit.runtime.sampling import sample
@@ -35,7 +35,8 @@ TOGGLES = {
     "fused_kernels": ("on", "off"),
     "nvtx": ("on", "off"),
 }
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+           "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}  # fmt: skip
 _CPU_KV_BUDGET_BYTES = 1 << 30  # no memory probe on CPU: a fixed budget before kv_cache_fraction
 
 
@@ -47,7 +48,8 @@ class EngineConfig:
     max_batch_size: int = 64
     max_num_tokens: int = 8192  # new tokens per step (decodes + prefill chunks)
     max_model_len: int = 32768  # longest prompt + output; sizes RoPE tables captured by graphs
-    kv_dtype: str = "auto"  # auto = the model's dtype (bf16 on the GPU); bfloat16 | float16 | float32
+    kv_dtype: str = "auto"  # auto = the model's dtype (bf16 on the GPU); bfloat16 | float16 | float32 | fp8 (e4m3,
+    # per-cache-layer K/V scales from the RMSNorm bound, see kv_cache.py)
     cuda_graphs: bool = True
     page_table: str = "host"  # host | padded
     mask: str = "triton"  # triton | dense
@@ -86,6 +88,8 @@ class EngineStats:
     graph_batch_sizes: list[int] = field(default_factory=list)
     steps: int = 0
     encoder_calls: int = 0
+    kv_dtype: str = ""  # e.g. "bfloat16", "float8_e4m3fn"
+    kv_scales: dict = field(default_factory=dict)  # fp8 only: KVScales.summary() (method, min/max over layers)
 
 
 class Engine:
@@ -104,7 +108,10 @@ class Engine:
         self.model, self.cfg, self.ec = model, cfg, ec
         self.device = model.device
         self.layers = cfg.attn_layers()
+        if ec.kv_dtype != "auto" and ec.kv_dtype not in _DTYPES:
+            raise PerfkitError(f"kv_dtype={ec.kv_dtype!r}; allowed: auto, {', '.join(_DTYPES)}")
         self.kv_dtype = model.dtype if ec.kv_dtype == "auto" else _DTYPES[ec.kv_dtype]
+        self.kv_scales = self._fp8_kv_scales() if self.kv_dtype == torch.float8_e4m3fn else None
         self.vision_tower = vision_tower if vision_tower is not None else getattr(model, "vision_tower", None)
         self._next_id = 0
         self._requests: dict[int, Request] = {}
@@ -124,6 +131,16 @@ class Engine:
         for name in ("attention", "page_table", "mask"):
             if getattr(ec, name) not in TOGGLES[name]:
                 raise PerfkitError(f"{name}={getattr(ec, name)!r}; allowed: {', '.join(TOGGLES[name])}")
+
+    def _fp8_kv_scales(self) -> KVScales:
+        """Fixed per-cache-layer scales from the k_norm weights (the RMSNorm bound; no calibration data exists
+        for random weights, and a bound never saturates). Read once here, host sync included."""
+        amax = {}
+        for la in self.layers:
+            if la.writes_kv:
+                w = self.model.layers[la.index].self_attn.k_norm.weight
+                amax[la.index] = 1.0 if w is None else float(w.detach().abs().max())
+        return rmsnorm_bound_kv_scales(self.layers, amax)
 
     def _kv_pages(self) -> dict[str, int]:
         ec = self.ec
@@ -156,7 +173,7 @@ class Engine:
     def _build(self, num_pages: dict[str, int], graphs: bool = True) -> None:
         ec = self.ec
         specs = pool_specs(self.layers)
-        self.kv = PagedKVCache(self.layers, num_pages, ec.page_size, self.kv_dtype, self.device)
+        self.kv = PagedKVCache(self.layers, num_pages, ec.page_size, self.kv_dtype, self.device, self.kv_scales)
         self.bm = BlockManager(num_pages, ec.page_size, {p: s.window for p, s in specs.items()})
         self.scheduler = Scheduler(self.bm, ec.max_batch_size, ec.max_num_tokens)
         self._backends: dict = {}
@@ -366,4 +383,6 @@ class Engine:
             graph_batch_sizes=list(self._graphs.sizes) if self._graphs is not None else [],
             steps=self._steps,
             encoder_calls=self.runner.num_encoder_calls,
+            kv_dtype=str(self.kv_dtype).removeprefix("torch."),
+            kv_scales=self.kv_scales.summary() if self.kv_scales is not None else {},
         )

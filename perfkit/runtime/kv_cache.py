@@ -6,7 +6,18 @@ the dummy page that CUDA-graph padding requests point at; the block manager neve
 KV-shared layers own no tensor: they read the tensor of `layer.cache_layer`.
 
 Sizing: `plan_kv_pages` turns a byte budget (measured free memory x kv_cache_fraction, computed by the caller)
-into pages per pool using `bytes_per_page`.
+into pages per pool using `bytes_per_page` (element size of the KV dtype: 1 byte for fp8, so ~2x the pages of bf16).
+
+FP8 KV (dtype float8_e4m3fn): one fixed scale per cache layer for K and one for V (`KVScales`). Pages hold
+`clamp(x / scale, +-448)` in e4m3; attention reads `float(stored) * scale` (the torch backend dequantises the
+gathered pages, FlashInfer takes `k_scale`/`v_scale` in run()). Scales never change after the cache is built
+(a stored value is only meaningful with the scale it was divided by). Random weights have no calibration data,
+so the scale is the bound RMSNorm puts on K and V (`rmsnorm_bound_kv_scales`): y = x / rms(x) * w has
+sum_i (y_i / w_i)^2 <= hd, so |y_i| <= sqrt(hd) * max|w|; RoPE rotates pairs (|rotated| <= norm of the pair <=
+sqrt(hd) * max|w|), and v_norm has no weight (|v_i| <= sqrt(hd)). scale = bound / 448 therefore never saturates
+(up to the bf16 rounding of the bound itself; the clamp covers that), and since e4m3 is a float format its ~2^-4
+relative rounding error does not depend on the scale while values stay above the subnormal range
+(|x| > bound / 448 * 2^-6, i.e. ~6e-4 for hd 256 with unit weights).
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from perfkit.errors import PerfkitError
+from perfkit.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from perfkit.runtime.attention.base import AttnLayer
 
 SLIDING_POOL = "sliding"
@@ -54,6 +66,40 @@ def pool_specs(layers: list[AttnLayer]) -> dict[str, PoolSpec]:
         owners = tuple(la.index for la in group if la.writes_kv)
         specs[name] = PoolSpec(name, hd, kvh, nh, window, owners)
     return specs
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """FP8 KV scales per cache layer (K and V separately): stored = clamp(x / scale), read = stored * scale."""
+
+    k: dict[int, float]
+    v: dict[int, float]
+    method: str  # "rmsnorm_bound" | "unit"
+
+    def summary(self) -> dict:
+        """What a result records (`runtime.kv_scales`): the method and min/max over cache layers."""
+        return {
+            "method": self.method, "layers": len(self.k),
+            "k_min": min(self.k.values(), default=None), "k_max": max(self.k.values(), default=None),
+            "v_min": min(self.v.values(), default=None), "v_max": max(self.v.values(), default=None),
+        }  # fmt: skip
+
+
+def unit_kv_scales(layers: list[AttnLayer]) -> KVScales:
+    owners = [la.index for la in layers if la.writes_kv]
+    return KVScales(dict.fromkeys(owners, 1.0), dict.fromkeys(owners, 1.0), "unit")
+
+
+def rmsnorm_bound_kv_scales(layers: list[AttnLayer], k_norm_amax: dict[int, float]) -> KVScales:
+    """Scales from the RMSNorm bound (module docstring): K: sqrt(hd) * max|k_norm.weight| / 448, V: sqrt(hd) / 448.
+    `k_norm_amax`: cache layer -> max |k_norm weight| (1.0 for a norm without weight)."""
+    k, v = {}, {}
+    for la in layers:
+        if la.writes_kv:
+            bound = math.sqrt(la.head_dim)
+            k[la.index] = max(bound * float(k_norm_amax[la.index]), 1e-6) / FP8_MAX
+            v[la.index] = bound / FP8_MAX
+    return KVScales(k, v, "rmsnorm_bound")
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -126,12 +172,18 @@ def plan_kv_pages(
 
 
 class PagedKVCache:
-    """Device tensors of every pool. `layer_cache(layer)` is the tensor a layer writes/reads."""
+    """Device tensors of every pool. `layer_cache(layer)` is the tensor a layer writes/reads, `layer_scales(layer)`
+    its (k_scale, v_scale): 1.0 unless the dtype is fp8 (then `scales`, default unit scales)."""
 
-    def __init__(self, layers: list[AttnLayer], num_pages: dict[str, int], page_size: int, dtype, device):
+    def __init__(
+        self, layers: list[AttnLayer], num_pages: dict[str, int], page_size: int, dtype, device,
+        scales: KVScales | None = None,
+    ):  # fmt: skip
         self.specs = pool_specs(layers)
         self.page_size = page_size
         self.dtype = dtype
+        self.is_fp8 = dtype == FP8_DTYPE
+        self.scales = (scales or unit_kv_scales(layers)) if self.is_fp8 else None
         self.device = torch.device(device)
         self.num_pages = dict(num_pages)
         self._tensors: dict[int, torch.Tensor] = {}
@@ -145,6 +197,13 @@ class PagedKVCache:
 
     def layer_cache(self, layer_index: int) -> torch.Tensor:
         return self._tensors[self._cache_of[layer_index]]
+
+    def layer_scales(self, layer_index: int) -> tuple[float, float]:
+        """(k_scale, v_scale) of the cache this layer reads (KV-shared layers: their cache layer's)."""
+        if self.scales is None:
+            return 1.0, 1.0
+        li = self._cache_of[layer_index]
+        return self.scales.k[li], self.scales.v[li]
 
     def pool_of(self, layer_index: int) -> str:
         return self._pool_of[layer_index]

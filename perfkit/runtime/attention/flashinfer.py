@@ -17,6 +17,11 @@ wrapper waits for it (flashinfer.md §5.2 hazard). `sm_scale=1.0`, `window_left 
 Custom masks are passed unpacked (`custom_mask=`): plan() packs them with segment_packbits and uses the packed
 byte offsets. Passing `packed_custom_mask=` instead would pair the packed bits with the *unpacked* bit offsets
 that plan computes from qo/kv lengths (wrong for every request but the first).
+
+FP8 KV (cache dtype float8_e4m3fn, Q stays bf16): plan() gets `kv_data_type=float8_e4m3fn` (auto then resolves
+FA2 for prefill: FA3 needs fp8 Q), `write_kv` quantises with the cache layer's fixed scales, and every run() gets
+them as Python floats (`k_scale` folds into sm_scale, `v_scale` multiplies the output). The scales are constants
+per layer, so graph capture records them like any other launch argument.
 """
 
 from __future__ import annotations
@@ -137,14 +142,16 @@ class FlashInferBackend:
         cache = self.kv.layer_cache(layer.index)
         pool = self.kv.pool_of(layer.index)
         pt = meta.pools[pool]
+        k_scale, v_scale = self.kv.layer_scales(layer.index)
         if layer.writes_kv:
-            write_kv(cache, pt.slot_page, pt.slot_offset, k, v)
+            write_kv(cache, pt.slot_page, pt.slot_offset, k, v, k_scale, v_scale)
+        scales = dict(k_scale=k_scale, v_scale=v_scale) if self.kv.is_fp8 else {}
         dec, pre = self._active[pool]
         nd = meta.num_decodes
         q = q.to(self.q_dtype)
         out = torch.empty_like(q)
         if dec is not None:
-            dec.run(q[:nd], cache, out=out[:nd])
+            dec.run(q[:nd], cache, out=out[:nd], **scales)
         if pre is not None:
-            pre.run(q[nd:], cache, out=out[nd:])
+            pre.run(q[nd:], cache, out=out[nd:], **scales)
         return out

@@ -5,6 +5,10 @@ Mask per request, on the kv as the kernel sees it (live pages only, length kv_le
 kv_len - q_len + i): causal AND (window band `qpos - j < W` on sliding layers). On sliding layers of bidirectional
 models, prefill requests use the step's custom mask (gemma4.md §4.4/§4.5: prefix columns True, new columns
 causal-or-same-blob) AND-ed with the window band, exactly as FlashInfer ANDs `window_left` with a custom mask.
+
+FP8 KV (cache dtype float8_e4m3fn): `write_kv` stores clamp(x / scale, +-448) in e4m3 (the cache layer's fixed
+k/v scales, kv_cache.KVScales); `attend` dequantises the gathered pages (float(stored) * scale, cast to q's
+dtype) before SDPA. This is the CPU reference of FlashInfer's fp8 KV path.
 """
 
 from __future__ import annotations
@@ -12,15 +16,33 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from perfkit.kernels.fp8 import FP8_DTYPE, dequantize_fp8_per_tensor, quantize_fp8_per_tensor
 from perfkit.runtime.attention.base import AttnLayer
 from perfkit.runtime.kv_cache import PagedKVCache
 from perfkit.runtime.page_table import AttentionMetadata
 
 
-def write_kv(cache: torch.Tensor, slot_page: torch.Tensor, slot_offset: torch.Tensor, k, v) -> None:
-    """Scatter new K/V rows [T, kvh, hd] into a [num_pages, 2, page_size, kvh, hd] cache (graph-capturable)."""
+def write_kv(
+    cache: torch.Tensor, slot_page: torch.Tensor, slot_offset: torch.Tensor, k, v,
+    k_scale: float = 1.0, v_scale: float = 1.0,
+) -> None:  # fmt: skip
+    """Scatter new K/V rows [T, kvh, hd] into a [num_pages, 2, page_size, kvh, hd] cache (graph-capturable).
+    An fp8 cache gets clamp(x / scale) in e4m3, written through a uint8 view (index_put on bytes works on every
+    device); other dtypes ignore the scales."""
+    if cache.dtype == FP8_DTYPE:
+        raw = cache.view(torch.uint8)
+        raw[:, 0][slot_page, slot_offset] = quantize_fp8_per_tensor(k, k_scale).view(torch.uint8)
+        raw[:, 1][slot_page, slot_offset] = quantize_fp8_per_tensor(v, v_scale).view(torch.uint8)
+        return
     cache[:, 0][slot_page, slot_offset] = k.to(cache.dtype)
     cache[:, 1][slot_page, slot_offset] = v.to(cache.dtype)
+
+
+def read_kv(pages: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered K or V rows in `dtype`: fp8 pages dequantised (float(stored) * scale), others cast."""
+    if pages.dtype == FP8_DTYPE:
+        return dequantize_fp8_per_tensor(pages, scale, dtype)
+    return pages.to(dtype)
 
 
 def reference_gemma_mask(token_type_ids, seq_lens, prefix_lens, sliding_window, impl: str = "dense") -> torch.Tensor:
@@ -96,15 +118,16 @@ class TorchPagedBackend:
         cache = self.kv.layer_cache(layer.index)
         pool = self.kv.pool_of(layer.index)
         pt = meta.pools[pool]
+        k_scale, v_scale = self.kv.layer_scales(layer.index)
         if layer.writes_kv:
-            write_kv(cache, pt.slot_page, pt.slot_offset, k, v)
+            write_kv(cache, pt.slot_page, pt.slot_offset, k, v, k_scale, v_scale)
         group = layer.num_heads // layer.num_kv_heads
         out = torch.empty_like(q)
         for qs, qe, pages, kv_len, mask in self._requests(pool, layer.bidirectional_vision, layer.window, q.device):
-            kr = cache[pages, 0].reshape(-1, layer.num_kv_heads, layer.head_dim)[:kv_len]
-            vr = cache[pages, 1].reshape(-1, layer.num_kv_heads, layer.head_dim)[:kv_len]
-            kr = kr.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
-            vr = vr.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
+            kr = read_kv(cache[pages, 0].reshape(-1, layer.num_kv_heads, layer.head_dim)[:kv_len], k_scale, q.dtype)
+            vr = read_kv(cache[pages, 1].reshape(-1, layer.num_kv_heads, layer.head_dim)[:kv_len], v_scale, q.dtype)
+            kr = kr.transpose(0, 1).repeat_interleave(group, dim=0)
+            vr = vr.transpose(0, 1).repeat_interleave(group, dim=0)
             o = F.scaled_dot_product_attention(q[qs:qe].transpose(0, 1), kr, vr, attn_mask=mask, scale=1.0)
             out[qs:qe] = o.transpose(0, 1)
         return out
