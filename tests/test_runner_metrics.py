@@ -49,6 +49,7 @@ class _Out:
     new_token_ids: list
     t_host_ns: int
     finished: bool
+    first_scheduled_ns: int | None = None
 
 
 class _Req:
@@ -80,7 +81,7 @@ class FakeEngine:
             q = self.reqs[rid]
             q.first_scheduled_ns = q.first_scheduled_ns or self.clock.t
             q.left -= 1
-            outs.append(_Out(rid, [7], self.clock.t, q.left == 0))
+            outs.append(_Out(rid, [7], self.clock.t, q.left == 0, q.first_scheduled_ns))
         return outs
 
 

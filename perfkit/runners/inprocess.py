@@ -128,7 +128,7 @@ def drive(
         for out in engine.step():
             rec = records[out.request_id]
             if rec.scheduled_ns is None:
-                rec.scheduled_ns = engine.request(out.request_id).first_scheduled_ns
+                rec.scheduled_ns = out.first_scheduled_ns
             rec.token_ns.extend([out.t_host_ns] * len(out.new_token_ids))
             if out.finished:
                 in_flight -= 1

@@ -346,9 +346,10 @@ class Engine:
             with R("postprocess"):
                 outputs = self.scheduler.postprocess(sched, token_ids, t_host_ns)
                 for o in outputs:
-                    if o.finished:
+                    if o.finished:  # a long run must not keep every finished request's token lists
                         self.runner.release(o.request_id)
                         self._generators.pop(o.request_id, None)
+                        self._requests.pop(o.request_id, None)
         return outputs
 
     def abort_all(self) -> None:

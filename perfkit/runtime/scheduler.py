@@ -111,6 +111,7 @@ class StepOutput:
     new_token_ids: list[int]
     t_host_ns: int  # perf_counter_ns right after the sampled ids reached the host
     finished: bool
+    first_scheduled_ns: int | None = None  # when the request was first scheduled (queue time = this - submit)
 
 
 @dataclass(frozen=True)
@@ -257,5 +258,5 @@ class Scheduler:
                 self.running.remove(req)
             else:
                 self.bm.trim(req.request_id, req.num_computed)
-            results.append(StepOutput(req.request_id, [tok], t_host_ns, finished))
+            results.append(StepOutput(req.request_id, [tok], t_host_ns, finished, req.first_scheduled_ns))
         return results
