@@ -30,7 +30,7 @@ import torch
 
 from perfkit.errors import PerfkitError
 from perfkit.runtime.attention.base import AttnLayer
-from perfkit.runtime.attention.torch_paged import write_kv
+from perfkit.runtime.attention.torch_paged import write_layer_kv
 from perfkit.runtime.kv_cache import SLIDING_POOL, PagedKVCache
 from perfkit.runtime.page_table import AttentionMetadata
 
@@ -139,12 +139,7 @@ class FlashInferBackend:
     # ---- attention -------------------------------------------------------------------------------------------
     def attend(self, layer: AttnLayer, q: torch.Tensor, k, v) -> torch.Tensor:
         meta = self.meta
-        cache = self.kv.layer_cache(layer.index)
-        pool = self.kv.pool_of(layer.index)
-        pt = meta.pools[pool]
-        k_scale, v_scale = self.kv.layer_scales(layer.index)
-        if layer.writes_kv:
-            write_kv(cache, pt.slot_page, pt.slot_offset, k, v, k_scale, v_scale)
+        cache, pool, k_scale, v_scale = write_layer_kv(self.kv, meta, layer, k, v)
         scales = dict(k_scale=k_scale, v_scale=v_scale) if self.kv.is_fp8 else {}
         dec, pre = self._active[pool]
         nd = meta.num_decodes

@@ -38,6 +38,20 @@ def write_kv(
     cache[:, 1][slot_page, slot_offset] = v.to(cache.dtype)
 
 
+def write_layer_kv(
+    kv: PagedKVCache, meta: AttentionMetadata, layer: AttnLayer, k, v
+) -> tuple[torch.Tensor, str, float, float]:
+    """What every backend's `attend` does first: find this layer's cache, pool and K/V scales, and write the step's
+    new K/V rows (KV-shared layers write nothing). Returns (cache, pool, k_scale, v_scale)."""
+    cache = kv.layer_cache(layer.index)
+    pool = kv.pool_of(layer.index)
+    k_scale, v_scale = kv.layer_scales(layer.index)
+    if layer.writes_kv:
+        pt = meta.pools[pool]
+        write_kv(cache, pt.slot_page, pt.slot_offset, k, v, k_scale, v_scale)
+    return cache, pool, k_scale, v_scale
+
+
 def read_kv(pages: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """Gathered K or V rows in `dtype`: fp8 pages dequantised (float(stored) * scale), others cast."""
     if pages.dtype == FP8_DTYPE:
@@ -114,13 +128,7 @@ class TorchPagedBackend:
         return self._prep[key]
 
     def attend(self, layer: AttnLayer, q: torch.Tensor, k, v) -> torch.Tensor:
-        meta = self.meta
-        cache = self.kv.layer_cache(layer.index)
-        pool = self.kv.pool_of(layer.index)
-        pt = meta.pools[pool]
-        k_scale, v_scale = self.kv.layer_scales(layer.index)
-        if layer.writes_kv:
-            write_kv(cache, pt.slot_page, pt.slot_offset, k, v, k_scale, v_scale)
+        cache, pool, k_scale, v_scale = write_layer_kv(self.kv, self.meta, layer, k, v)
         group = layer.num_heads // layer.num_kv_heads
         out = torch.empty_like(q)
         for qs, qe, pages, kv_len, mask in self._requests(pool, layer.bidirectional_vision, layer.window, q.device):
