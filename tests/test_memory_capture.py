@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from perfkit.capture.memory import MemoryTracker
-from perfkit.capture.profiler import ProfileWindow
+from perfkit.capture.profiler import ProfileWindow, kernel_summary
 from perfkit.results import MemorySection
 
 
@@ -136,6 +136,21 @@ def test_profile_window_torch_trace(tmp_path):
         torch.ones(8) @ torch.ones(8)
     assert win.done and win.trace_path == tmp_path / "w.trace.json"
     assert "traceEvents" in json.loads(win.trace_path.read_text())
+    assert win.summary is not None and win.summary["steps"] == 2  # CPU: no device kernels, said so
+    assert win.summary["kernels"] == 0 and "no device kernels" in win.summary["note"]
+
+
+def test_kernel_summary_busy_idle_and_ranking():
+    # two steps; kernels 0-10 and 5-15 overlap (busy 15), a gap 15-20, then 20-30 (busy 10): window 30, busy 25
+    ks = [("sm90_xmma_gemm_bf16", 0, 10), ("BatchDecodeWithPagedKVCacheKernel", 5, 15), ("_sandwich_kernel", 20, 30)]
+    s = kernel_summary(ks, steps=2)
+    assert s["kernels"] == 3 and s["kernels_per_step"] == 1.5
+    assert s["window_ms"] == pytest.approx(0.030) and s["device_busy_ms"] == pytest.approx(0.025)
+    assert s["busy_fraction"] == pytest.approx(25 / 30)
+    assert s["idle_ms_per_step"] == pytest.approx(0.0025)
+    assert s["by_kind_ms_per_step"] == pytest.approx({"gemm": 0.005, "attention": 0.005, "triton": 0.005})
+    assert [t["kind"] for t in s["top"]] == ["gemm", "attention", "triton"]  # ties keep the sorted start order
+    assert s["top"][0]["count"] == 1 and s["top"][0]["mean_us"] == pytest.approx(10.0)
 
 
 def test_profile_window_cuda_kind_calls_profiler_api(tmp_path):

@@ -8,7 +8,10 @@
 
 The window covers steps `start_step <= i < stop_step`. Kinds:
 - `torch`: `torch.profiler` (CPU + CUDA activities) over the window, exported as a Chrome trace
-  `<out_dir>/<name>.trace.json` (open in Perfetto / chrome://tracing).
+  `<out_dir>/<name>.trace.json` (open in Perfetto / chrome://tracing), and summarised in `summary` (see
+  `kernel_summary`: device kernel time per step, how busy the GPU was inside the window, the top kernels and a
+  coarse split by kind), which the runner stores in the scenario's `runtime.profile`: where the time of a
+  step goes, in the result file itself, without opening the trace.
 - `cuda`: `torch.cuda.profiler.start()` / `stop()` (cudaProfilerStart/Stop) around the window, for
   `nsys profile -c cudaProfilerApi --capture-range-end=stop ...` or `ncu --profile-from-start off`.
   The device is synchronized at both edges so that the window holds exactly its steps' kernels.
@@ -17,10 +20,76 @@ The window covers steps `start_step <= i < stop_step`. Kinds:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
 ProfileKind = Literal["torch", "cuda", "none"]
+
+# Coarse kernel kinds by name (first match wins). Heuristic: cuBLAS/CUTLASS GEMM names, FlashInfer's attention
+# kernels, perfkit's Triton kernels (their Python names start with "_"), PyTorch's elementwise/copy/reduce kernels.
+_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("batchdecode", "batchprefill", "flashinfer", "mergestate", "merge_state", "persistent")),
+    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "_w4a16", "_fp8", "matmul", "cublas")),
+    ("copy", ("memcpy", "memset", "copy", "index", "gather", "scatter", "cat")),
+    ("triton", ("triton", "_kernel")),
+    ("elementwise", ("elementwise", "reduce", "softmax", "argmax", "tanh", "where", "fill")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    n = name.lower()
+    for kind, keys in _KINDS:
+        if any(k in n for k in keys):
+            return kind
+    return "other"
+
+
+def kernel_summary(kernels: Iterable[tuple[str, float, float]], steps: int, top: int = 25) -> dict[str, Any]:
+    """Summary of the device activity of a profiler window. `kernels`: (name, start_us, end_us) per kernel or
+    memcpy on the device timeline; `steps`: engine steps in the window.
+
+    - `device_busy_ms`: union of the kernel intervals (overlaps counted once); `window_ms`: first start to last
+      end; `busy_fraction` = busy / window: the rest is the device idling on the host (launch gaps, host work
+      between steps, syncs). Per-step numbers divide by `steps`.
+    - `by_kind`: total kernel ms per coarse kind (kernel_kind); `top`: the kernels with the most total time."""
+    ks = sorted((float(s), float(e), n) for n, s, e in kernels)
+    if not ks:
+        return {"steps": steps, "kernels": 0, "note": "no device kernels recorded (CPU run or no CUDA activity)"}
+    busy = 0.0
+    cur_s, cur_e = ks[0][0], ks[0][1]
+    for s, e, _ in ks[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    window = max(e for _, e, _ in ks) - ks[0][0]
+    per_name: dict[str, list[float]] = {}
+    by_kind: dict[str, float] = {}
+    for s, e, n in ks:
+        agg = per_name.setdefault(n, [0, 0.0])
+        agg[0] += 1
+        agg[1] += e - s
+        by_kind[kernel_kind(n)] = by_kind.get(kernel_kind(n), 0.0) + (e - s)
+    n_steps = max(1, steps)
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "steps": steps,
+        "kernels": len(ks),
+        "kernels_per_step": len(ks) / n_steps,
+        "window_ms": window / 1e3,
+        "device_busy_ms": busy / 1e3,
+        "busy_fraction": busy / window if window > 0 else 1.0,
+        "device_busy_ms_per_step": busy / 1e3 / n_steps,
+        "idle_ms_per_step": (window - busy) / 1e3 / n_steps,
+        "by_kind_ms_per_step": {k: v / 1e3 / n_steps for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "top": [
+            {"name": n[:160], "kind": kernel_kind(n), "count": int(c), "total_ms": t / 1e3, "mean_us": t / c}
+            for n, (c, t) in ranked
+        ],
+    }
 
 
 class ProfileWindow:
@@ -53,6 +122,7 @@ class ProfileWindow:
         self.active = False
         self.done = kind == "none"
         self.trace_path: Path | None = None
+        self.summary: dict[str, Any] | None = None
 
     def _t(self) -> Any:
         if self._torch is None:
@@ -96,6 +166,7 @@ class ProfileWindow:
         torch = self._t()
         if self.kind == "torch":
             self._prof.stop()
+            self.summary = kernel_summary(_device_events(self._prof, torch), self.stop_step - self.start_step)
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self.trace_path = self.out_dir / f"{self.name}.trace.json"
             self._prof.export_chrome_trace(str(self.trace_path))
@@ -117,3 +188,13 @@ class ProfileWindow:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _device_events(prof: Any, torch: Any) -> list[tuple[str, float, float]]:
+    """(name, start_us, end_us) of every event of a stopped torch.profiler run on a CUDA device timeline."""
+    cuda = torch.autograd.DeviceType.CUDA
+    out = []
+    for e in prof.events():
+        if getattr(e, "device_type", None) == cuda:
+            out.append((e.name, e.time_range.start, e.time_range.end))
+    return out

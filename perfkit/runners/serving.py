@@ -165,6 +165,8 @@ class ServingTarget:
                                                        "total_tok_s_per_gpu": throughput.total_tok_s / w})
         if profile.trace_path is not None:
             runtime["profile_trace"] = str(profile.trace_path)
+        if profile.summary is not None:
+            runtime["profile"] = profile.summary
         nvtx = self.ranges.summary()
         result = base.model_copy(
             update={
