@@ -62,6 +62,13 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "NVTX ranges with in-process host/device range timings around every engine phase (on) vs none (off); "
         "an on/off pair of arms measures the capture overhead itself",
     ),
+    "overlap": (
+        ("on", "off"),
+        "on",
+        "overlapped engine steps: the host schedules and prepares step N+1 (page tables, plan(), graph replay) while "
+        "the GPU runs step N, whose sampled ids feed N+1 on the device (on), vs every step waiting for its tokens "
+        "before the next is prepared (off); steps of requests that may stop on EOS always wait",
+    ),
     "attention": (
         ("auto", "flashinfer", "torch"),
         "auto",
@@ -95,9 +102,10 @@ class Toggles(BaseModel):
     cuda_graphs: Literal["on", "off"] = "on"
     fused_kernels: Literal["on", "off"] = "off"
     nvtx: Literal["on", "off"] = "on"
+    overlap: Literal["on", "off"] = "on"
     attention: Literal["auto", "flashinfer", "torch"] = "auto"
 
-    @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", mode="before")
+    @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", mode="before")
     @classmethod
     def _on_off(cls, value: Any) -> Any:
         return _yaml_on_off(value)
@@ -114,9 +122,10 @@ class PartialToggles(BaseModel):
     cuda_graphs: Literal["on", "off"] | None = None
     fused_kernels: Literal["on", "off"] | None = None
     nvtx: Literal["on", "off"] | None = None
+    overlap: Literal["on", "off"] | None = None
     attention: Literal["auto", "flashinfer", "torch"] | None = None
 
-    @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", mode="before")
+    @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", mode="before")
     @classmethod
     def _on_off(cls, value: Any) -> Any:
         return _yaml_on_off(value)

@@ -134,6 +134,8 @@ class RooflineSection(BaseModel):
     prefill_flops: float | None = None
     mbu: float | None = None
     mfu: float | None = None
+    output_tok_s_bound: float | None = None  # closed-loop throughput ceiling (roofline.serving_bound)
+    throughput_fraction: float | None = None  # measured output_tok_s / output_tok_s_bound
     notes: str | None = None
 
 

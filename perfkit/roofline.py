@@ -17,6 +17,16 @@ tokens + LM head only for one position per sequence (the sampled one) + attentio
 (sliding layers: keys within the window). Bidirectional vision spans and the softmax/elementwise work are
 not counted.
 
+Serving (a closed loop of C requests, each ISL prompt tokens then OSL output tokens; `serving_bound`): per wave
+of C requests the FLOPs are C x (prefill of ISL + OSL - 1 decode tokens at contexts ISL+1 .. ISL+OSL-1); the bytes
+are at least OSL steps x the weights (a request needs OSL sequential steps; concurrent requests can share a
+step's weight read, so C requests need no more than OSL steps) + each decode token's KV read. The wave takes at
+least max(FLOPs / peak, bytes / bandwidth) (perfect overlap of compute and memory): `output_tok_s_bound` =
+C x OSL / that time. No schedule beats it; a measured output_tok_s above it means the accounting is wrong.
+
+Weight bytes: `weight_dtype_bytes` per parameter of the decoder layers (the quantised ones: fp8 ~1 + scales,
+nvfp4 ~0.56); the tied embedding / LM head at `lm_head_dtype_bytes` (it stays in the model dtype).
+
 bound = max(bytes / peak bandwidth, FLOPs / peak FLOP/s). MBU = achieved bytes/s / peak bandwidth,
 MFU = achieved FLOP/s / peak FLOP/s, with the achieved rate from a measured step time.
 """
@@ -232,12 +242,26 @@ def _linear_params_per_token(cfg: Gemma4Config) -> float:
     return w.attention + w.mlp + w.moe_router + w.moe_experts + w.ple
 
 
+def step_weight_bytes(
+    cfg: Gemma4Config, num_tokens: int = 1, weight_dtype_bytes: float = 2.0, lm_head_dtype_bytes: float | None = None
+) -> float:
+    """Weight bytes one step over `num_tokens` tokens reads: decoder parameters at `weight_dtype_bytes`, the LM
+    head at `lm_head_dtype_bytes` (default: the same)."""
+    w = step_weight_params(cfg, num_tokens=num_tokens)
+    head = weight_dtype_bytes if lm_head_dtype_bytes is None else lm_head_dtype_bytes
+    return (w.total - w.lm_head) * weight_dtype_bytes + w.lm_head * head
+
+
 def decode_step_bytes(
-    cfg: Gemma4Config, ctx_lens: Sequence[int], weight_dtype_bytes: float = 2.0, kv_dtype_bytes: float = 2.0
+    cfg: Gemma4Config,
+    ctx_lens: Sequence[int],
+    weight_dtype_bytes: float = 2.0,
+    kv_dtype_bytes: float = 2.0,
+    lm_head_dtype_bytes: float | None = None,
 ) -> float:
     """Bytes one decode step reads for a batch of len(ctx_lens) requests: weights + KV."""
-    w = step_weight_params(cfg, num_tokens=len(ctx_lens))
-    return w.total * weight_dtype_bytes + decode_kv_read_bytes(cfg, ctx_lens, kv_dtype_bytes)
+    w = step_weight_bytes(cfg, len(ctx_lens), weight_dtype_bytes, lm_head_dtype_bytes)
+    return w + decode_kv_read_bytes(cfg, ctx_lens, kv_dtype_bytes)
 
 
 def decode_step_flops(cfg: Gemma4Config, ctx_lens: Sequence[int]) -> float:
@@ -273,6 +297,42 @@ def prefill_bytes(
     return w + kv_write + kv_read
 
 
+@dataclass(frozen=True)
+class ServingBound:
+    """Lower bound on one wave of a closed-loop ISL/OSL workload (see the module docstring)."""
+
+    concurrency: int
+    flops: float  # the wave's FLOPs
+    bytes: float  # the wave's minimum bytes (OSL weight reads + KV reads)
+    bound_s: float  # max(flops / peak, bytes / bandwidth)
+    compute_bound: bool
+    output_tok_s_bound: float  # concurrency * osl / bound_s
+
+
+def serving_bound(
+    cfg: Gemma4Config,
+    peak: GpuPeak,
+    isl: int,
+    osl: int,
+    concurrency: int,
+    weight_dtype_bytes: float = 2.0,
+    kv_dtype_bytes: float = 2.0,
+    lm_head_dtype_bytes: float | None = None,
+    compute_dtype: str = "bf16",
+) -> ServingBound:
+    """Output-throughput ceiling of `concurrency` requests in flight, each `isl` prompt + `osl` output tokens.
+    The expert reads of MoE decode steps are counted for a batch of `concurrency` tokens."""
+    C, steps = max(1, concurrency), max(1, osl)
+    ctxs = list(range(isl + 1, isl + osl))  # the decode tokens' contexts (the first token comes from the prefill)
+    per_req_flops = prefill_flops(cfg, [isl]) + sum(decode_step_flops(cfg, [c]) for c in ctxs)
+    per_req_kv = sum(decode_kv_read_bytes(cfg, [c], kv_dtype_bytes) for c in ctxs)
+    flops = C * per_req_flops
+    bytes_ = steps * step_weight_bytes(cfg, C, weight_dtype_bytes, lm_head_dtype_bytes) + C * per_req_kv
+    t_flops, t_bytes = flops / peak.flops_per_s(compute_dtype), bytes_ / peak.bytes_per_s
+    bound = max(t_flops, t_bytes)
+    return ServingBound(C, flops, bytes_, bound, t_flops >= t_bytes, C * osl / bound)
+
+
 def bound_ms(bytes_: float, flops: float, peak: GpuPeak, compute_dtype: str = "bf16") -> float:
     """Roofline lower bound: max(memory time, compute time), in ms."""
     return 1e3 * max(bytes_ / peak.bytes_per_s, flops / peak.flops_per_s(compute_dtype))
@@ -299,18 +359,24 @@ def roofline_section(
     weight_dtype_bytes: float = 2.0,
     kv_dtype_bytes: float = 2.0,
     compute_dtype: str = "bf16",
+    lm_head_dtype_bytes: float | None = None,
+    serving: tuple[int, int, int] | None = None,
+    output_tok_s: float | None = None,
 ) -> RooflineSection:
     """RooflineSection for one scenario.
 
     `decode_ctx_lens`: the contexts of a representative decode step (e.g. [ISL + OSL // 2] * concurrency);
     `decode_step_ms`: its measured time (forward_decode device mean, or TPOT for a fixed batch).
     `prefill_seq_lens` / `prefill_ms`: one measured prefill (e.g. the TTFT-defining forward_prefill).
-    MBU comes from decode; MFU from prefill when measured, else from decode."""
+    MBU comes from decode; MFU from prefill when measured, else from decode.
+    `serving` = (isl, osl, concurrency): adds the closed-loop throughput ceiling (`serving_bound`) and, with the
+    measured `output_tok_s`, the fraction of it reached."""
     sec = RooflineSection(gpu=f"{peak.name} ({peak.source})")
     notes = [f"dtype bytes: weights {weight_dtype_bytes:g}, kv {kv_dtype_bytes:g}; compute {compute_dtype}"]
     d_flops = None
     if decode_ctx_lens:
-        sec.decode_bytes = decode_step_bytes(cfg, decode_ctx_lens, weight_dtype_bytes, kv_dtype_bytes)
+        sec.decode_bytes = decode_step_bytes(cfg, decode_ctx_lens, weight_dtype_bytes, kv_dtype_bytes,
+                                             lm_head_dtype_bytes)  # fmt: skip
         d_flops = decode_step_flops(cfg, decode_ctx_lens)
         sec.decode_bound_ms = bound_ms(sec.decode_bytes, d_flops, peak, compute_dtype)
         B = len(decode_ctx_lens)
@@ -328,6 +394,15 @@ def roofline_section(
     if sec.mfu is None and d_flops is not None and decode_step_ms and decode_step_ms > 0:
         sec.mfu = mfu(d_flops, decode_step_ms, peak, compute_dtype)
         notes.append("mfu from decode")
+    if serving is not None:
+        isl, osl, conc = serving
+        sb = serving_bound(cfg, peak, isl, osl, conc, weight_dtype_bytes, kv_dtype_bytes, lm_head_dtype_bytes,
+                           compute_dtype)  # fmt: skip
+        sec.output_tok_s_bound = sb.output_tok_s_bound
+        if output_tok_s:
+            sec.throughput_fraction = output_tok_s / sb.output_tok_s_bound
+        notes.append(f"serving bound: isl {isl}, osl {osl}, concurrency {conc}, "
+                     f"{'compute' if sb.compute_bound else 'memory'}-bound")  # fmt: skip
     sec.notes = "; ".join(notes)
     return sec
 
@@ -353,5 +428,8 @@ __all__ = [
     "prefill_bytes",
     "prefill_flops",
     "roofline_section",
+    "serving_bound",
+    "ServingBound",
+    "step_weight_bytes",
     "step_weight_params",
 ]

@@ -22,6 +22,7 @@ from perfkit.roofline import (
     mfu,
     prefill_flops,
     roofline_section,
+    serving_bound,
     step_weight_params,
 )
 from perfkit.runtime.model_config import get_preset, param_count
@@ -214,3 +215,33 @@ def test_mbu_mfu_and_section():
     assert "measured" in sec.gpu
     empty = roofline_section(cfg, peak)
     assert empty.decode_bound_ms is None and empty.mbu is None and empty.mfu is None
+
+
+def test_31b_serving_bound_by_hand():
+    """ISL 1024 / OSL 128 at concurrency 64: a compute-bound wave, ~1,480 output tok/s at most on the H200."""
+    cfg = get_preset("31b")
+    peak = get_gpu_peak("h200", MEASURED_H200)
+    isl, osl, C = 1024, 128, 64
+    ctx_sum = sum(range(isl + 1, isl + osl))  # the 127 decode tokens' contexts, 1025..1151
+    assert ctx_sum == 138176
+    pairs = isl * (isl + 1) // 2  # prefill (query, key) pairs; W = 1024 = ISL: the window cuts nothing
+    attn = 50 * 4 * 32 * 256 * (pairs + 127 * 1024) + 10 * 4 * 32 * 512 * (pairs + ctx_sum)
+    flops_req = 2 * LINEAR_31 * isl + 2 * LM_HEAD_31 + 127 * 2 * (LINEAR_31 + LM_HEAD_31) + attn
+    kv_req = 50 * 16 * KIB * 1024 * 127 + 10 * 8 * KIB * ctx_sum
+    bytes_wave = osl * 2 * (LINEAR_31 + LM_HEAD_31 + NORMS_31) + C * kv_req
+    sb = serving_bound(cfg, peak, isl, osl, C)
+    assert sb.flops == pytest.approx(C * flops_req, rel=1e-12)
+    assert sb.bytes == pytest.approx(bytes_wave, rel=1e-12)
+    assert sb.compute_bound and sb.bound_s == pytest.approx(C * flops_req / 790e12)
+    assert sb.output_tok_s_bound == pytest.approx(C * osl / (C * flops_req / 790e12))
+    assert 1450 < sb.output_tok_s_bound < 1500
+    # batch 1: memory-bound, ~1 / 14.5 ms per token once the prefill is amortised over 128 tokens
+    one = serving_bound(cfg, peak, isl, osl, 1)
+    assert not one.compute_bound and one.output_tok_s_bound == pytest.approx(128 / (one.bytes / 4.3e12))
+    # NVFP4 decoder weights (~0.5625 B/param) with a bf16 LM head and FP8 KV read fewer bytes
+    q = serving_bound(cfg, peak, isl, osl, 1, weight_dtype_bytes=0.5625, kv_dtype_bytes=1.0, lm_head_dtype_bytes=2.0)
+    assert q.bytes == pytest.approx(osl * (0.5625 * (LINEAR_31 + NORMS_31) + 2 * LM_HEAD_31) + kv_req / 2, rel=1e-12)
+    sec = roofline_section(cfg, peak, serving=(isl, osl, C), output_tok_s=740.0)
+    assert sec.output_tok_s_bound == pytest.approx(sb.output_tok_s_bound)
+    assert sec.throughput_fraction == pytest.approx(740.0 / sb.output_tok_s_bound)
+    assert "compute-bound" in sec.notes

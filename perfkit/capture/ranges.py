@@ -45,6 +45,7 @@ ENGINE_PHASES = (
     "forward_prefill",
     "forward_decode",
     "sample",
+    "resolve",
     "postprocess",
     "graph_capture",
 )

@@ -138,7 +138,7 @@ def run_mask_sweep(
         # allocator at held + budget, after returning cached blocks so they do not count
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(dev).total_memory
-        held = torch.cuda.memory_allocated(dev)
+        held = torch.cuda.memory_reserved(dev)  # the cap bounds reserved memory: blocks still cached count
         torch.cuda.set_per_process_memory_fraction(min(1.0, (held + budget_bytes) / total), dev)
     try:
         for q in q_lens:

@@ -233,6 +233,13 @@ class ServingTarget:
         batch = min(batch, self.cfg.runtime.max_batch_size)
         tpot = sm.metrics["tpot_ms"].p50
         ttft = sm.metrics["ttft_ms"].p50 if batch == 1 else None
+        model_bytes = 2.0 if self.model.dtype == torch.bfloat16 else float(self.model.dtype.itemsize)
+        q = self.quant
+        # quantised decoder weights: their bytes per parameter as loaded (values + scales); the LM head stays
+        weight_bytes = model_bytes * q["quantized_bytes_after"] / q["quantized_bytes_before"] if "quant_backend" in q \
+            else model_bytes  # fmt: skip
+        closed = scenario.arrival.kind in ("closed", "all_at_once")
+        out_tok_s = sm.throughput.output_tok_s if sm.throughput is not None else None
         return roofline_section(
             self.model.cfg,
             peak,
@@ -240,7 +247,11 @@ class ServingTarget:
             decode_step_ms=tpot,
             prefill_seq_lens=[isl] if batch == 1 else None,
             prefill_ms=ttft,
+            weight_dtype_bytes=weight_bytes,
+            lm_head_dtype_bytes=model_bytes,
             kv_dtype_bytes=float(self.engine.kv.dtype.itemsize),
+            serving=(int(isl), int(osl), int(batch)) if closed else None,
+            output_tok_s=out_tok_s,
         )
 
 
@@ -331,6 +342,7 @@ def load_target(
         mask=toggles.mask,
         mm_embed_cache=toggles.mm_embed_cache == "on",
         fused_kernels=toggles.fused_kernels == "on",
+        overlap=toggles.overlap == "on",
         decode_use_tensor_cores=None if rt.decode_tensor_cores == "auto" else rt.decode_tensor_cores == "on",
         seed=mcfg.seed,
     )

@@ -1,9 +1,17 @@
 """Serving engine: paged KV cache, continuous batching with chunked prefill, torch / FlashInfer attention, CUDA
-graphs for decode. One `step()` = schedule -> prepare -> forward -> sample -> postprocess.
+graphs for decode. One `step()` = schedule -> prepare -> forward -> sample -> resolve -> postprocess.
+
+Overlapped steps (toggle overlap=on): `sample` only launches the sampling and an async copy of the ids to the
+host; the step then resolves the PREVIOUS step's ids (waiting for them while the GPU already has this step queued)
+and advances the scheduler with placeholders for its own, which the next step resolves. So the host's schedule /
+prepare / plan() / launch of step N+1 runs while the GPU computes step N, and step N+1's decodes read their input
+ids from step N's sampled ids on the device. A step whose requests may stop on EOS (ignore_eos off) resolves its
+own ids before returning, since its successor's batch depends on them. A token's `t_host_ns` is taken when its
+ids are on the host, in either mode.
 
 Toggles (settable on a live engine with `set_toggle`; both arms of every toggle give identical tokens):
   attention=flashinfer|torch   page_table=host|padded   mask=triton|dense   mm_embed_cache=on|off
-  cuda_graphs=on|off (decode graphs; only with a backend that supports them, i.e. flashinfer)
+  cuda_graphs=on|off (decode graphs; only with a backend that supports them, i.e. flashinfer)   overlap=on|off
 """
 
 from __future__ import annotations
@@ -21,8 +29,8 @@ from perfkit.runtime.block_manager import BlockManager
 from perfkit.runtime.kv_cache import KVScales, PagedKVCache, plan_kv_pages, pool_specs, rmsnorm_bound_kv_scales
 from perfkit.runtime.model_runner import ModelRunner
 from perfkit.runtime.page_table import make_page_table_builder
-from perfkit.runtime.sampling import sample
-from perfkit.runtime.scheduler import Request, SamplingParams, Scheduler, StepOutput
+from perfkit.runtime.sampling import TokenTransfer, sample_on_device
+from perfkit.runtime.scheduler import Request, SampledSlot, SamplingParams, Scheduler, StepOutput
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "StepOutput", "SamplingParams", "TOGGLES"]
 
@@ -34,6 +42,7 @@ TOGGLES = {
     "cuda_graphs": ("on", "off"),
     "fused_kernels": ("on", "off"),
     "nvtx": ("on", "off"),
+    "overlap": ("on", "off"),
 }
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}  # fmt: skip
@@ -55,6 +64,7 @@ class EngineConfig:
     mask: str = "triton"  # triton | dense
     mm_embed_cache: bool = True
     fused_kernels: bool = False  # Triton RMSNorm / GeGLU / QK-norm+RoPE / MoE instead of the PyTorch ops
+    overlap: bool = True  # prepare step N+1 on the host while the GPU runs step N (see the module docstring)
     num_kv_pages: int | None = None  # override: pages per pool (tests); else kv_cache_bytes; else measured
     kv_cache_bytes: int | None = None  # override: KV budget in bytes (before the split between pools)
     decode_use_tensor_cores: bool | None = None  # flashinfer decode; None = tensor cores when GQA group >= 4
@@ -76,6 +86,16 @@ class NullCapture:
 
 
 NULL_CAPTURE = NullCapture()
+
+
+@dataclass
+class _Launched:
+    """A step whose sampled ids are on their way to the host."""
+
+    ids: torch.Tensor  # device int64 [S]: the next step's decodes read their input ids here
+    ticket: tuple[int, int]  # TokenTransfer ticket
+    deferrable: bool  # may the next step be scheduled before these ids are known (Engine._defer)
+    slots: list[SampledSlot] = field(default_factory=list)  # where the ids go (scheduler.advance)
 
 
 @dataclass
@@ -119,6 +139,8 @@ class Engine:
         self._graph_capture_s = 0.0
         self._steps = 0
         self._agree_kv_pages = agree_kv_pages
+        self._tokens = TokenTransfer(ec.max_batch_size, self.device)
+        self._pending: _Launched | None = None  # overlap: the previous step, its ids not yet on the host
         self._validate_toggles(ec)
         model.set_fused(ec.fused_kernels)
         if model.rope is None or model.rope.max_positions < ec.max_model_len:
@@ -256,6 +278,8 @@ class Engine:
         elif name == "nvtx":
             self.ranges = self._recorder if on else NULL_CAPTURE
             self.runner.ranges = self.ranges
+        elif name == "overlap":  # a step already pending is resolved by the next step() either way
+            self.ec = replace(self.ec, overlap=on)
         elif name == "fused_kernels" and on != self.ec.fused_kernels:
             self.ec = replace(self.ec, fused_kernels=on)
             self.model.set_fused(on)
@@ -268,7 +292,7 @@ class Engine:
             "attention": ec.attention, "page_table": ec.page_table, "mask": ec.mask,
             "mm_embed_cache": "on" if ec.mm_embed_cache else "off", "cuda_graphs": "on" if ec.cuda_graphs else "off",
             "fused_kernels": "on" if ec.fused_kernels else "off",
-            "nvtx": "on" if self.ranges is self._recorder else "off",
+            "nvtx": "on" if self.ranges is self._recorder else "off", "overlap": "on" if ec.overlap else "off",
         }  # fmt: skip
 
     # ---- requests --------------------------------------------------------------------------------------------
@@ -319,7 +343,7 @@ class Engine:
         return min(full, math.ceil((window - 1 + self.ec.max_num_tokens) / ps) + 1)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._pending is not None
 
     def request(self, request_id: int) -> Request:
         return self._requests[request_id]
@@ -327,33 +351,59 @@ class Engine:
     # ---- the loop --------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
-        """One engine iteration: schedule -> prepare -> forward -> sample -> postprocess, each an NVTX range."""
+        """One engine iteration, each phase an NVTX range: schedule -> prepare -> forward -> sample (launched, not
+        waited for) -> resolve the previous step's ids -> postprocess. Returns the tokens that reached the host."""
         R = self.ranges.range
         with R("step"):
             with R("schedule"):
                 sched = self.scheduler.schedule()
-            if sched.empty:
-                return []
-            self._steps += 1
-            with R("prepare_inputs"):
-                inputs = self.runner.prepare(sched)
-            with R("forward_decode" if sched.num_decodes == len(sched.chunks) else "forward_prefill"):
-                logits = self.runner.forward(inputs)
-            with R("sample"):
-                gens = [self._generators.get(r.request_id) for r in inputs.sample_reqs]
-                token_ids = sample(logits, [r.sampling for r in inputs.sample_reqs], gens)  # ids on the host
+            launched = None
+            if not sched.empty:
+                self._steps += 1
+                prev_ids = None if self._pending is None else self._pending.ids
+                with R("prepare_inputs"):
+                    inputs = self.runner.prepare(sched, prev_ids)
+                with R("forward_decode" if sched.num_decodes == len(sched.chunks) else "forward_prefill"):
+                    logits = self.runner.forward(inputs)
+                with R("sample"):
+                    reqs = inputs.sample_reqs
+                    gens = [self._generators.get(r.request_id) for r in reqs]
+                    ids = sample_on_device(logits, [r.sampling for r in reqs], gens)
+                    launched = _Launched(ids, self._tokens.start(ids), self._defer(reqs))
+            outputs = self._resolve(self._pending) if self._pending is not None else []
+            self._pending = None
+            if launched is not None:
+                with R("postprocess"):
+                    launched.slots = self.scheduler.advance(sched)
+                if launched.deferrable:
+                    self._pending = launched  # the next step resolves it, after queueing its own work
+                else:
+                    outputs += self._resolve(launched)
+        return outputs
+
+    def _defer(self, sampled: list[Request]) -> bool:
+        """May the next step be scheduled before this step's ids are known? Only when no sampled request can stop
+        on EOS (the benchmark case: ignore_eos), so the next batch is the same whatever the ids are."""
+        return self.ec.overlap and all(r.ignore_eos for r in sampled)
+
+    def _resolve(self, launched: _Launched) -> list[StepOutput]:
+        """Wait for a launched step's ids on the host and commit them (timestamps taken here)."""
+        with self.ranges.range("resolve"):
+            token_ids = self._tokens.wait(launched.ticket)
             t_host_ns = time.perf_counter_ns()
-            with R("postprocess"):
-                outputs = self.scheduler.postprocess(sched, token_ids, t_host_ns)
-                for o in outputs:
-                    if o.finished:  # a long run must not keep every finished request's token lists
-                        self.runner.release(o.request_id)
-                        self._generators.pop(o.request_id, None)
-                        self._requests.pop(o.request_id, None)
+            outputs = self.scheduler.commit(launched.slots, token_ids, t_host_ns)
+            for o in outputs:
+                if o.finished:  # a long run must not keep every finished request's token lists
+                    self.runner.release(o.request_id)
+                    self._generators.pop(o.request_id, None)
+                    self._requests.pop(o.request_id, None)
         return outputs
 
     def abort_all(self) -> None:
         """Drop every waiting and running request and free its pages (after a failed scenario)."""
+        if self._pending is not None:
+            self._tokens.wait(self._pending.ticket)  # its copy must land before the buffer is reused
+            self._pending = None
         for req in list(self.scheduler.waiting) + list(self.scheduler.running):
             self.bm.free(req.request_id)
             self.runner.release(req.request_id)

@@ -2,6 +2,10 @@
 
 `prepare` does all host work of a step and returns a `StepInputs`; `forward` runs the model eagerly or replays a
 captured decode graph (pure-decode steps whose batch fits a captured size, padded with dummy requests).
+
+Overlapped steps: a decode whose last token is still a scheduler PLACEHOLDER (sampled by the previous step, not
+yet on the host) takes its input id on the device from that step's sampled ids (`prev_ids[req.pending_row]`), so
+preparing this step never waits for the previous one.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch
 
 from perfkit.runtime.kv_cache import SLIDING_POOL
 from perfkit.runtime.page_table import AttentionMetadata, BatchState, PinnedStaging
-from perfkit.runtime.scheduler import Request, SchedulerOutput
+from perfkit.runtime.scheduler import PLACEHOLDER, Request, SchedulerOutput
 
 
 @dataclass
@@ -55,14 +59,16 @@ class ModelRunner:
         self.mask_impl = "triton"  # toggle mask
         self.mm_embed_cache = True  # toggle mm_embed_cache
         self.graphs = None  # DecodeGraphs when cuda_graphs=on and the backend supports them
-        self.tok_stage = PinnedStaging(3 * max_num_tokens, torch.int64, self.device)
+        self.tok_stage = PinnedStaging(3 * max_num_tokens + 4096, torch.int64, self.device)  # + graph padding, fixes
         self._mm_cache: dict[int, torch.Tensor] = {}
         self._placeholder_ids = np.array([cfg.image_token_id, cfg.video_token_id])
         self.num_encoder_calls = 0
         self.ranges, self.memory = ranges, memory  # capture instruments (NVTX ranges, memory phases)
 
     # ---- prepare ---------------------------------------------------------------------------------------------
-    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+    def prepare(self, sched: SchedulerOutput, prev_ids: torch.Tensor | None = None) -> StepInputs:
+        """Host work of a step. `prev_ids`: device int64 sampled ids of the previous, not yet committed step
+        (required when a scheduled decode's last token is a PLACEHOLDER)."""
         chunks = sched.chunks
         b = len(chunks)
         starts = np.fromiter((c.start for c in chunks), np.int64, b)
@@ -85,7 +91,22 @@ class ModelRunner:
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         logits_idx = qo[1:][sampling] - 1
         t = len(ids)
-        dev = self.tok_stage.upload(np.concatenate([ids, positions, logits_idx]))
+        mm_embeds = self._mm_embeds(sched)
+        # decodes come first, one token each: row r < num_decodes is chunk r's token
+        dst = np.nonzero(ids == PLACEHOLDER)[0]
+        src = np.fromiter((chunks[r].req.pending_row for r in dst), np.int64, len(dst))
+        if len(dst) and (prev_ids is None or dst[-1] >= sched.num_decodes):
+            raise RuntimeError("a placeholder token outside the decodes of the step after its sampling step")
+        if len(dst) and mm_embeds is not None:  # rare: the soft-token merge counts placeholder ids on the host
+            ids[dst] = prev_ids.cpu().numpy()[src]
+            dst = src = dst[:0]
+        ids[dst] = 0
+        dev = self.tok_stage.upload(np.concatenate([ids, positions, logits_idx, dst, src]))
+        input_ids = dev[:t]
+        if len(dst):
+            n_fix = len(dst)
+            tail = dev[2 * t + len(logits_idx) :]
+            input_ids.index_copy_(0, tail[:n_fix], prev_ids.index_select(0, tail[n_fix:]))
 
         meta = AttentionMetadata(
             num_tokens=t,
@@ -96,11 +117,11 @@ class ModelRunner:
             graph_batch_size=graph_bs,
         )
         return StepInputs(
-            input_ids=dev[:t],
+            input_ids=input_ids,
             positions=dev[t : 2 * t],
-            logits_indices=dev[2 * t :],
+            logits_indices=dev[2 * t : 2 * t + len(logits_idx)],
             meta=meta,
-            mm_embeds=self._mm_embeds(sched),
+            mm_embeds=mm_embeds,
             sample_reqs=[chunks[i].req for i in sampling],
         )
 

@@ -1,5 +1,10 @@
 """Continuous-batching scheduler (pure Python): FCFS, mixed decode + chunked-prefill steps, recompute preemption.
 
+After a step is launched, `advance` applies everything that needs no token values (KV computed, a PLACEHOLDER
+token appended per sampling chunk, requests at max_new_tokens finished and their pages freed), so the next step
+can be scheduled while the GPU still computes the sampled ids; `commit` writes the ids in once they reach the
+host (and finishes requests on EOS). `postprocess` = both at once, the synchronous step.
+
 One `schedule()` call builds one step under two limits: at most `max_batch_size` running requests and at most
 `max_num_tokens` new tokens. Order inside a step: decodes first (one token each), then prefill chunks of
 running requests, then newly admitted waiting requests.
@@ -28,6 +33,7 @@ import numpy as np
 from perfkit.runtime.block_manager import BlockManager
 
 VISION_TYPES = (1, 2)  # image, video (audio = 3 is never bidirectional and never a blob)
+PLACEHOLDER = -1  # a sampled token whose id is still on the device (between `advance` and `commit`)
 
 
 class Status(Enum):
@@ -61,6 +67,7 @@ class Request:
     status: Status = Status.WAITING
     num_preemptions: int = 0
     first_scheduled_ns: int | None = None
+    pending_row: int | None = None  # row of its last token in the sampled ids of a step not yet committed
     blob_start: np.ndarray = field(default=None, repr=False)  # per prompt token: start of its blob or -1
     blob_end: np.ndarray = field(default=None, repr=False)  # per prompt token: end (excl.) of its blob or -1
 
@@ -112,6 +119,15 @@ class StepOutput:
     t_host_ns: int  # perf_counter_ns right after the sampled ids reached the host
     finished: bool
     first_scheduled_ns: int | None = None  # when the request was first scheduled (queue time = this - submit)
+
+
+@dataclass(frozen=True)
+class SampledSlot:
+    """Where a sampled token goes once its id is on the host: req.token_ids[token_index], output_ids[output_index]."""
+
+    req: Request
+    token_index: int
+    output_index: int
 
 
 @dataclass(frozen=True)
@@ -236,27 +252,49 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    # ---- postprocess ---------------------------------------------------------------------------------------
-    def postprocess(self, out: SchedulerOutput, sampled: list[int], t_host_ns: int) -> list[StepOutput]:
-        """Advance every scheduled request; `sampled` holds one id per chunk with `samples`, in chunk order."""
-        results: list[StepOutput] = []
-        it = iter(sampled)
+    # ---- after a step ----------------------------------------------------------------------------------------
+    def advance(self, out: SchedulerOutput) -> list[SampledSlot]:
+        """A launched step's effects that need no token values. Each sampling chunk appends PLACEHOLDER (its row in
+        the step's sampled ids goes to `pending_row`); a request reaching max_new_tokens finishes now. Returns the
+        slots to `commit`, in chunk order (= the order of the sampled ids)."""
+        slots: list[SampledSlot] = []
         for c in out.chunks:
             req = c.req
             req.num_computed += c.num_tokens
             if not c.samples:
                 self.bm.trim(req.request_id, req.num_computed)
                 continue
-            tok = int(next(it))
-            req.token_ids.append(tok)
+            req.pending_row = len(slots)
+            slots.append(SampledSlot(req, len(req.token_ids), len(req.output_ids)))
+            req.token_ids.append(PLACEHOLDER)
             req.token_type_ids.append(0)
-            req.output_ids.append(tok)
-            finished = len(req.output_ids) >= req.max_new_tokens or (not req.ignore_eos and tok in req.eos_token_ids)
-            if finished:
-                req.status = Status.FINISHED
-                self.bm.free(req.request_id)
-                self.running.remove(req)
+            req.output_ids.append(PLACEHOLDER)
+            if len(req.output_ids) >= req.max_new_tokens:
+                self._finish(req)
             else:
                 self.bm.trim(req.request_id, req.num_computed)
+        return slots
+
+    def commit(self, slots: list[SampledSlot], sampled: list[int], t_host_ns: int) -> list[StepOutput]:
+        """Write the sampled ids (one per slot) over their placeholders. EOS stops a request here: callers commit
+        a step whose requests may stop on EOS before scheduling the next one (the engine's synchronous path)."""
+        results: list[StepOutput] = []
+        for slot, tok in zip(slots, sampled, strict=True):
+            req, tok = slot.req, int(tok)
+            req.token_ids[slot.token_index] = tok
+            req.output_ids[slot.output_index] = tok
+            req.pending_row = None
+            if req.status is Status.RUNNING and not req.ignore_eos and tok in req.eos_token_ids:
+                self._finish(req)
+            finished = req.status is Status.FINISHED
             results.append(StepOutput(req.request_id, [tok], t_host_ns, finished, req.first_scheduled_ns))
         return results
+
+    def postprocess(self, out: SchedulerOutput, sampled: list[int], t_host_ns: int) -> list[StepOutput]:
+        """Advance every scheduled request; `sampled` holds one id per chunk with `samples`, in chunk order."""
+        return self.commit(self.advance(out), sampled, t_host_ns)
+
+    def _finish(self, req: Request) -> None:
+        req.status = Status.FINISHED
+        self.bm.free(req.request_id)
+        self.running.remove(req)
