@@ -26,14 +26,13 @@ from typing import Any, Literal
 
 ProfileKind = Literal["torch", "cuda", "none"]
 
-# Coarse kernel kinds by name (first match wins). Heuristic: cuBLAS/CUTLASS GEMM names, FlashInfer's attention
-# kernels, perfkit's Triton kernels (their Python names start with "_"), PyTorch's elementwise/copy/reduce kernels.
+# Coarse kernel kinds by name (first match wins). Heuristic: cuBLAS/CUTLASS GEMM names and perfkit's Triton GEMMs,
+# FlashInfer's attention kernels, PyTorch's copy / elementwise kernels (C++ names with "::"), then perfkit's other
+# Triton kernels (plain Python names starting with "_").
 _KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("attention", ("batchdecode", "batchprefill", "flashinfer", "mergestate", "merge_state", "persistent")),
+    ("attention", ("batchdecode", "batchprefill", "flashinfer", "mergestate", "merge_state")),
     ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "_w4a16", "_fp8", "matmul", "cublas")),
     ("copy", ("memcpy", "memset", "copy", "index", "gather", "scatter", "cat")),
-    ("triton", ("triton", "_kernel")),
-    ("elementwise", ("elementwise", "reduce", "softmax", "argmax", "tanh", "where", "fill")),
 )
 
 
@@ -42,6 +41,10 @@ def kernel_kind(name: str) -> str:
     for kind, keys in _KINDS:
         if any(k in n for k in keys):
             return kind
+    if "::" in n:
+        return "elementwise"  # at::native elementwise / reduce kernels
+    if n.startswith("_") or "triton" in n:
+        return "triton"
     return "other"
 
 
