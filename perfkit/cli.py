@@ -72,7 +72,7 @@ def run(
     out: Annotated[Optional[Path], typer.Option("--out", help="results directory (default: output.dir)")] = None,
     label: Annotated[Optional[str], typer.Option("--label", help="appended to the run id")] = None,
     profile: Annotated[
-        Optional[str], typer.Option("--profile", help="profiler window: torch | cuda (see capture.profile_*)")
+        Optional[str], typer.Option("--profile", help="profiler window: torch | cuda | python (see capture.profile_*)")
     ] = None,
     tp: Annotated[
         Optional[int],
@@ -89,8 +89,8 @@ def run(
     if label:
         overrides.append(f"output.label={label}")
     if profile:
-        if profile not in ("torch", "cuda", "none"):
-            raise PerfkitError(f"--profile {profile!r}: allowed values are torch, cuda, none")
+        if profile not in ("torch", "cuda", "python", "none"):
+            raise PerfkitError(f"--profile {profile!r}: allowed values are torch, cuda, python, none")
         overrides.append(f"capture.profile={profile}")
     if tp is not None:
         if tp < 1:

@@ -180,3 +180,21 @@ def test_profile_window_none_and_validation(tmp_path):
         ProfileWindow(kind="torch", start_step=3, stop_step=3, out_dir=tmp_path)
     with pytest.raises(ValueError):
         ProfileWindow(kind="nsys", start_step=0, stop_step=1)  # type: ignore[arg-type]
+
+
+def test_profile_window_python_host_summary(tmp_path):
+    def busy() -> int:
+        return sum(i * i for i in range(20000))
+
+    win = ProfileWindow(kind="python", start_step=1, stop_step=3, out_dir=tmp_path, name="h")
+    for step in range(5):
+        win.on_step(step)
+        busy()
+    win.close()
+    assert win.trace_path == tmp_path / "h.pstats" and win.trace_path.exists()
+    s = win.summary
+    assert s["steps"] == 2 and s["host_ms_per_step"] > 0
+    names = [t["function"] for t in s["top"]]
+    assert any("busy" in n for n in names)
+    row = next(t for t in s["top"] if "(busy)" in t["function"])
+    assert row["calls_per_step"] == 1.0  # busy() ran twice inside the 2-step window

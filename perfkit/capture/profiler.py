@@ -15,6 +15,9 @@ The window covers steps `start_step <= i < stop_step`. Kinds:
 - `cuda`: `torch.cuda.profiler.start()` / `stop()` (cudaProfilerStart/Stop) around the window, for
   `nsys profile -c cudaProfilerApi --capture-range-end=stop ...` or `ncu --profile-from-start off`.
   The device is synchronized at both edges so that the window holds exactly its steps' kernels.
+- `python`: cProfile over the window (the host side: scheduler, page tables, plan(), launches), written as
+  `<out_dir>/<name>.pstats` (`python -m pstats`, snakeviz) and summarised in `summary` (`host_summary`: the
+  functions with the most cumulative host time per step).
 - `none`: nothing.
 """
 
@@ -24,7 +27,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
-ProfileKind = Literal["torch", "cuda", "none"]
+ProfileKind = Literal["torch", "cuda", "python", "none"]
 
 # Coarse kernel kinds by name (first match wins). Heuristic: cuBLAS/CUTLASS GEMM names and perfkit's Triton GEMMs,
 # FlashInfer's attention kernels, PyTorch's copy / elementwise kernels (C++ names with "::"), then perfkit's other
@@ -109,8 +112,8 @@ class ProfileWindow:
         with_stack: bool = False,
         torch_module: Any = None,
     ):
-        if kind not in ("torch", "cuda", "none"):
-            raise ValueError(f"profile kind {kind!r}; allowed: torch, cuda, none")
+        if kind not in ("torch", "cuda", "python", "none"):
+            raise ValueError(f"profile kind {kind!r}; allowed: torch, cuda, python, none")
         if kind != "none" and not 0 <= start_step < stop_step:
             raise ValueError(f"profile window needs 0 <= start_step < stop_step, got {start_step}..{stop_step}")
         self.kind = kind
@@ -160,6 +163,11 @@ class ProfileWindow:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
                 torch.cuda.profiler.start()
+        elif self.kind == "python":
+            import cProfile
+
+            self._prof = cProfile.Profile()
+            self._prof.enable()
         self.active = True
 
     def stop(self) -> Path | None:
@@ -178,6 +186,15 @@ class ProfileWindow:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
                 torch.cuda.profiler.stop()
+        elif self.kind == "python":
+            import pstats
+
+            self._prof.disable()
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self.trace_path = self.out_dir / f"{self.name}.pstats"
+            self._prof.dump_stats(str(self.trace_path))
+            self.summary = host_summary(pstats.Stats(self._prof), self.stop_step - self.start_step)
+            self._prof = None
         self.active = False
         self.done = True
         return self.trace_path
@@ -191,6 +208,26 @@ class ProfileWindow:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def host_summary(stats: Any, steps: int, top: int = 30) -> dict[str, Any]:
+    """The `top` functions by cumulative host time in a `pstats.Stats`, per step: where a step's host time goes
+    (cumulative includes callees, so the engine's phases rank first, then what inside them costs)."""
+    n = max(1, steps)
+    rows = []
+    for (file, line, func), (_cc, ncalls, tottime, cumtime, _callers) in stats.stats.items():
+        rows.append((cumtime, tottime, ncalls, f"{Path(file).name}:{line}({func})"))
+    rows.sort(reverse=True)
+    total = max((r[0] for r in rows), default=0.0)
+    return {
+        "steps": steps,
+        "host_ms_per_step": total * 1e3 / n,
+        "top": [
+            {"function": name[:160], "calls_per_step": nc / n, "cum_ms_per_step": cum * 1e3 / n,
+             "self_ms_per_step": tot * 1e3 / n}
+            for cum, tot, nc, name in rows[:top]
+        ],  # fmt: skip
+    }
 
 
 def _device_events(prof: Any, torch: Any) -> list[tuple[str, float, float]]:
