@@ -1,6 +1,8 @@
 """GPU engine tests (H200): FlashInfer backend vs the torch paged reference, CUDA graphs on vs off, multimodal
 prefill with a custom mask, sync counts of the page-table builders inside a real decode loop.
 
+The fused decoder layer (fused_kernels=on) is checked the same way (FlashInfer + graphs vs the torch backend).
+
 Comparison in lockstep (see `lockstep`): a float32 twin of the model on the torch backend is the reference; a bf16
 baseline (torch backend, or graphs off) sets the scale of bf16 noise; the candidate (FlashInfer, graphs on) must be
 no further from float32 than 1.5x the baseline + 0.05, and pick the same token wherever the reference's top-2
@@ -146,6 +148,23 @@ def test_cuda_graphs_on_vs_off(name):
     reqs = [(p, {}) for p in prompts(24, seed=7, vocab=cfg.vocab_size)]
     lockstep(engine(fp32_twin(name), cfg, "torch", False), engine(model, cfg, "flashinfer", False),
              engine(model, cfg, "flashinfer", True), reqs, 32)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["tiny-fi", "31b"])
+def test_fused_kernels_flashinfer_graphs_match_torch(name):
+    """fused_kernels=on with FlashInfer and CUDA graphs (merged qkv / gate_up GEMMs, the qkv kernel writing K/V
+    straight into the paged cache through kv_write_target at the graphs' static slot buffers, the next layer's
+    input_layernorm folded into the last sandwich) against the unfused torch backend, in lockstep."""
+    cfg, model = model_for(name)
+    ref = engine(fp32_twin(name), cfg, "torch", False)
+    base = engine(model, cfg, "torch", False)
+    fused_model = copy.deepcopy(model)  # the fused flag is per model: the baseline stays unfused
+    cand = engine(fused_model, cfg, "flashinfer", True, fused_kernels=True)
+    reqs = [(p, {}) for p in prompts(12, seed=13, vocab=cfg.vocab_size)]
+    st = lockstep(ref, base, cand, reqs, 16)
+    assert st["graph_steps"] > 0
+    assert all(layer.self_attn.merged_weight() is not None for layer in fused_model.layers)
+    assert all(layer.mlp.merged_weight() is not None for layer in fused_model.layers)
 
 
 @pytest.mark.parametrize("tensor_cores", [False, True])

@@ -31,6 +31,11 @@ from perfkit.kernels.qk_norm_rope import (
     qk_norm_rope,
     qk_norm_rope_ref,
     qk_norm_rope_traffic,
+    qkv_norm_rope,
+    qkv_norm_rope_ref,
+    qkv_norm_rope_split,
+    qkv_norm_rope_traffic,
+    split_qkv,
 )
 from perfkit.kernels.rmsnorm import (
     rmsnorm,
@@ -42,7 +47,7 @@ from perfkit.kernels.rmsnorm import (
 )
 from perfkit.runtime.attention.contiguous import ContiguousAttention
 from perfkit.runtime.generate import greedy_generate
-from perfkit.runtime.model import rope_inv_freq
+from perfkit.runtime.model import RopeTables, rope_inv_freq
 from perfkit.runtime.model_config import get_preset
 from perfkit.runtime.weights import build_model
 
@@ -228,6 +233,105 @@ def test_proportional_rope_rotates_only_pairs_0_63_and_256_319():
 
 
 # --------------------------------------------------------------------------------------------------------------
+# qkv_norm_rope: merged q|k|v GEMM output -> q, k, v in one launch, K/V optionally straight into the paged cache
+# --------------------------------------------------------------------------------------------------------------
+
+POISON = 99.0  # exact in bf16: every cache slot the kernel must not touch keeps it
+
+
+def _qkv_case(T, sliding, k_eq_v, dtype, nh=3, kvh=2, seed=0):
+    """Merged qkv [T, (nh + kvh [+ kvh]) * hd], norm weights and the model's RoPE tables (31B: hd 256 default,
+    hd 512 proportional) at irregular positions."""
+    hd = 256 if sliding else 512
+    positions = torch.tensor([(37 * t + 5) % 1500 for t in range(T)], device=DEVICE)
+    cos, sin = RopeTables(get_preset("31b"), 1500, torch.device(DEVICE), dtype).lookup(positions)[sliding]
+    qkv = _rand(T, (nh + kvh * (1 if k_eq_v else 2)) * hd, dtype=dtype, scale=2.0, seed=seed)
+    qw, kw = _rand(hd, dtype=dtype, seed=seed + 1), _rand(hd, dtype=dtype, seed=seed + 2)
+    return dict(num_heads=nh, num_kv_heads=kvh, head_dim=hd, q_weight=qw, k_weight=kw, cos=cos, sin=sin), qkv
+
+
+def _ref32(qkv, a, k_eq_v):
+    """The reference in fp32 on the same inputs (what `check` compares bf16 kernels against)."""
+    a32 = {k: v.float() if torch.is_tensor(v) else v for k, v in a.items()}
+    return qkv_norm_rope_ref(qkv.float(), **a32, eps=EPS, k_eq_v=k_eq_v)
+
+
+def _random_slots(T, num_pages, page_size, seed):
+    """T distinct (page, offset) slots, in random order, as the engine's int64 device tensors."""
+    flat = torch.randperm(num_pages * page_size, generator=torch.Generator().manual_seed(seed))[:T]
+    return (flat // page_size).to(DEVICE), (flat % page_size).to(DEVICE)
+
+
+def _check_cache_write(cache, before, slot_page, slot_offset, k, v):
+    """The T slots hold exactly k / v; every other (page, slot) of both planes is untouched."""
+    assert torch.equal(cache[slot_page, 0, slot_offset], k)
+    assert torch.equal(cache[slot_page, 1, slot_offset], v)
+    untouched = torch.ones(cache.shape[0], cache.shape[2], dtype=torch.bool, device=cache.device)
+    untouched[slot_page, slot_offset] = False
+    for plane in (0, 1):
+        assert torch.equal(cache[:, plane][untouched], before[:, plane][untouched])
+
+
+LAYER_KINDS = [(True, False), (False, True), (False, False)]  # (sliding, k_eq_v): 31B sliding, 31B full, hd 512 + v
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sliding,k_eq_v", LAYER_KINDS, ids=["hd256", "hd512_k_eq_v", "hd512_v"])
+@pytest.mark.parametrize("T", [1, 3, 17])
+def test_qkv_norm_rope(dtype, sliding, k_eq_v, T):
+    a, qkv = _qkv_case(T, sliding, k_eq_v, dtype, seed=T)
+    q, k, v = qkv_norm_rope(qkv, **a, eps=EPS, k_eq_v=k_eq_v)
+    q_ref, k_ref, v_ref = _ref32(qkv, a, k_eq_v)
+    assert q.shape == (T, 3, a["head_dim"]) and k.shape == v.shape == (T, 2, a["head_dim"]) and q.dtype == dtype
+    check(q, q_ref, dtype)
+    check(k, k_ref, dtype)
+    check(v, v_ref, dtype)
+    # the same math as the per-tensor kernels the unmerged path used (K=V: v from the raw k, before k_norm/RoPE)
+    q_raw, k_raw, v_raw = split_qkv(qkv, 3, 2, a["head_dim"], k_eq_v)
+    if k_eq_v:
+        check(v, head_norm_ref(k_raw.float(), None, EPS), dtype)
+    else:
+        check(v, head_norm_ref(v_raw.float(), None, EPS), dtype)
+
+    # straight into a poisoned paged cache at random slots: bit-identical to the outputs above, nothing else touched
+    page_size, num_pages = 5, 7
+    cache = torch.full((num_pages, 2, page_size, 2, a["head_dim"]), POISON, dtype=dtype, device=DEVICE)
+    before = cache.clone()
+    slot_page, slot_offset = _random_slots(T, num_pages, page_size, seed=T)
+    q2, k2, v2 = qkv_norm_rope(qkv, **a, eps=EPS, k_eq_v=k_eq_v, kv_cache=(cache, slot_page, slot_offset))
+    assert k2 is None and v2 is None and torch.equal(q2, q)
+    _check_cache_write(cache, before, slot_page, slot_offset, k, v)
+    # the reference's index_put write lands in the same slots
+    ref_cache = before.clone()
+    qkv_norm_rope_ref(qkv, **a, eps=EPS, k_eq_v=k_eq_v, kv_cache=(ref_cache, slot_page, slot_offset))
+    check(cache, ref_cache, dtype)
+
+
+def test_qkv_norm_rope_split_projections_and_strided_views():
+    """Separate (unmerged, e.g. quantised) projection outputs and row-strided views give what the merged form gives."""
+    a, qkv = _qkv_case(4, True, False, torch.float32, nh=2, kvh=1)
+    q, k, v = qkv_norm_rope(qkv, **a, eps=EPS, k_eq_v=False)
+    q_raw, k_raw, v_raw = (t.contiguous() for t in split_qkv(qkv, 2, 1, 256, False))
+    w = {n: a[n] for n in ("q_weight", "k_weight", "cos", "sin")}
+    q2, k2, v2 = qkv_norm_rope_split(q_raw, k_raw, v_raw, **w, eps=EPS)
+    assert torch.equal(q, q2) and torch.equal(k, k2) and torch.equal(v, v2)
+
+
+def test_qkv_norm_rope_rejects_bad_inputs():
+    a, qkv = _qkv_case(2, True, False, torch.float32, nh=2, kvh=1)
+    with pytest.raises(ValueError, match="qkv must be"):
+        qkv_norm_rope(qkv, **a, eps=EPS, k_eq_v=True)  # no room for v columns: K=V width differs
+    cache = torch.zeros(3, 2, 4, 1, 256, dtype=torch.bfloat16, device=DEVICE)
+    slots = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="cache dtype"):  # fp8 / other dtypes: the backend's write path
+        qkv_norm_rope(qkv, **a, eps=EPS, k_eq_v=False, kv_cache=(cache, slots, slots))
+    with pytest.raises(ValueError, match="cache must be"):
+        qkv_norm_rope(qkv, **a, eps=EPS, k_eq_v=False, kv_cache=(cache.float()[:, :, :, :, :128], slots, slots))
+    with pytest.raises(ValueError, match="slot_page"):
+        qkv_norm_rope(qkv, **a, eps=EPS, k_eq_v=False, kv_cache=(cache.float(), slots[:1], slots[:1]))
+
+
+# --------------------------------------------------------------------------------------------------------------
 # moe
 # --------------------------------------------------------------------------------------------------------------
 
@@ -308,6 +412,13 @@ def test_traffic_formulas():
     }
     q = qk_norm_rope_traffic(2, 3, 8, rope=True, write_v=True)  # a = 96 B, tables 2*2*4*2 = 32 B, w 16 B
     assert (q["bytes_read"], q["bytes_written"], q["unfused_bytes"], q["flops"]) == (144, 192, 624, 336)
+    # qkv: T 2, nh 3, kvh 1, hd 8, bf16: aq = 96 B, ak = 32 B, tables 32 B, weights 32 B, slots 2 x 8 x 2 = 32 B
+    t = qkv_norm_rope_traffic(2, 3, 1, 8)
+    assert (t["bytes_read"], t["bytes_written"]) == (96 + 64 + 32 + 32 + 32, 96 + 64)
+    assert t["unfused_bytes"] == 4 * 128 + 64 + 32 + 64 + 128 + 32
+    assert t["flops"] == 2 * 8 * (7 * 4 + 3)
+    t = qkv_norm_rope_traffic(2, 3, 1, 8, k_eq_v=True, kv_cache=False)  # K=V: no v columns to read; no slots
+    assert (t["bytes_read"], t["bytes_written"], t["unfused_bytes"]) == (96 + 32 + 32 + 32, 160, 512 + 64 + 32 + 64)
     m = fused_moe_traffic(2, 8, 4, 4, 2, active_experts=3)  # P = 4 pairs
     assert m["weight_bytes"] == 3 * (2 * 4 * 8 + 8 * 4) * 2 == 576
     assert (m["bytes_read"], m["bytes_written"]) == (576 + 32 + 32 + 64, 32 + 64 + 32)
@@ -396,6 +507,50 @@ def test_gpu_qk_norm_rope_31b(T, sliding):
     k_ref, v_ref = k_norm_rope_v_norm_ref(x[:, :4].float(), w.float(), cos.float(), sin.float(), EPS)
     check(k, k_ref, BF16)
     check(v, v_ref, BF16)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 4, 64, 4096])
+@pytest.mark.parametrize("sliding", [True, False], ids=["32x256_16kv", "32x512_4kv_k_eq_v"])
+def test_gpu_qkv_norm_rope_31b(T, sliding):
+    """31B shapes in bf16: sliding 32 q / 16 kv heads of 256; full 32 q / 4 kv heads of 512 with K=V. Outputs vs
+    the fp32 reference, and the direct cache write (random slots of a poisoned cache) vs those outputs."""
+    nh, kvh, k_eq_v = (32, 16, False) if sliding else (32, 4, True)
+    a, qkv = _qkv_case(T, sliding, k_eq_v, BF16, nh=nh, kvh=kvh, seed=T)
+    q, k, v = qkv_norm_rope(qkv, **a, eps=EPS, k_eq_v=k_eq_v)
+    for out, ref in zip((q, k, v), _ref32(qkv, a, k_eq_v), strict=True):
+        check(out, ref, BF16)
+    page_size = 16
+    num_pages = T // page_size + 9
+    cache = torch.full((num_pages, 2, page_size, kvh, a["head_dim"]), POISON, dtype=BF16, device=DEVICE)
+    before = cache.clone()
+    slot_page, slot_offset = _random_slots(T, num_pages, page_size, seed=T)
+    q2, _, _ = qkv_norm_rope(qkv, **a, eps=EPS, k_eq_v=k_eq_v, kv_cache=(cache, slot_page, slot_offset))
+    assert torch.equal(q2, q)
+    _check_cache_write(cache, before, slot_page, slot_offset, k, v)
+
+
+@gpu
+@needs_cuda
+def test_gpu_qkv_norm_rope_cuda_graph_reads_slots_on_device():
+    """Captured once, replayed with new slot values in the same static buffers: the writes follow the buffers."""
+    a, qkv = _qkv_case(4, True, False, BF16, nh=32, kvh=16)
+    cache = torch.zeros(8, 2, 16, 16, 256, dtype=BF16, device=DEVICE)
+    slot_page = torch.tensor([1, 2, 3, 4], device=DEVICE)
+    slot_offset = torch.tensor([0, 1, 2, 3], device=DEVICE)
+    _, k, v = qkv_norm_rope(qkv, **a, eps=EPS, k_eq_v=False)
+    qkv_norm_rope(qkv, **a, eps=EPS, k_eq_v=False, kv_cache=(cache, slot_page, slot_offset))  # warm up (JIT)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qkv_norm_rope(qkv, **a, eps=EPS, k_eq_v=False, kv_cache=(cache, slot_page, slot_offset))
+    cache.zero_()
+    slot_page.copy_(torch.tensor([7, 6, 5, 5], device=DEVICE))
+    slot_offset.copy_(torch.tensor([15, 3, 9, 10], device=DEVICE))
+    graph.replay()
+    torch.cuda.synchronize()
+    before = torch.zeros_like(cache)
+    _check_cache_write(cache, before, slot_page, slot_offset, k, v)
 
 
 @gpu

@@ -6,6 +6,7 @@ seeded model; head splits replicate KV heads when there are fewer than ranks; th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -149,6 +150,11 @@ def _worker(rank: int, world: int, port: int, out_file: str) -> None:
         res["engine"] = dict(
             ref=ref, tp=_staggered(engine, prompts, max_new), kv_heads=engine.kv.specs["sliding"].num_kv_heads
         )
+        # fused layers on the shards: q|k|v and gate|up merged per rank (the shards are plain nn.Linear)
+        fused = Engine(model, model.cfg, dataclasses.replace(ec, fused_kernels=True))
+        res["engine"]["tp_fused"] = _staggered(fused, prompts, max_new)
+        res["engine"]["qkv_rows"] = [dl.self_attn.merged_weight().shape[0] for dl in model.layers]
+        fused.model.set_fused(False)
         # control-plane helpers the TP runner uses
         res["control"] = dict(
             bcast=ctx.broadcast_object({"submit": 3} if rank == 0 else None), min=ctx.min_int(10 + rank)
@@ -194,8 +200,11 @@ def test_tp2_quantized_shards_keep_their_all_reduce(two_rank_results):
 
 def test_tp2_engine_matches_tp1(two_rank_results):
     r = two_rank_results["engine"]
-    assert r["tp"] == r["ref"]
+    assert r["tp"] == r["ref"] and r["tp_fused"] == r["ref"]
     assert r["kv_heads"] == 1  # tiny-moe sliding layers: 2 KV heads over 2 ranks
+    # per rank: 2 of 4 query heads + 1 KV head (+ 1 v head on sliding layers; full layers are K=V)
+    cfg = get_preset("tiny-moe")
+    assert r["qkv_rows"] == [(2 + (2 if la.is_sliding else 1)) * la.head_dim for la in cfg.attn_layers()]
 
 
 def _worker4(rank: int, world: int, port: int, out_file: str) -> None:

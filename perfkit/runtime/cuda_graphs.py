@@ -70,10 +70,8 @@ class DecodeGraphs:
 
     # ---- capture ---------------------------------------------------------------------------------------------
     def _body(self, bs: int) -> torch.Tensor:
-        h = self.h[:bs]
-        for i, layer in enumerate(self.model.layers):
-            cs = self.cos_sin[layer.is_sliding]
-            h = layer(h, (cs[0][:bs], cs[1][:bs]), self.backend, None if self.ple is None else self.ple[:bs, i])
+        rope = {s: (cs[0][:bs], cs[1][:bs]) for s, cs in self.cos_sin.items()}
+        h = self.model.decode_layers(self.h[:bs], rope, self.backend, None if self.ple is None else self.ple[:bs])
         return self.model.logits(h)
 
     def _static_meta(self, meta: AttentionMetadata, bs: int) -> AttentionMetadata:

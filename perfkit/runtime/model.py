@@ -6,8 +6,30 @@ kvh KV heads, hd head dim of the layer (256 sliding / 512 full), L layers, P PLE
 All matmuls run in the weight dtype; norms, softmax and the final soft-cap run in fp32.
 
 Fused path (`model.set_fused(True)`, default off): the norms, the GeGLU activations, q/k-norm + RoPE (+ v_norm) and
-the MoE block run through the Triton kernels in perfkit/kernels/ (rmsnorm, gelu_mul, qk_norm_rope, moe); the
-decoder layer then fuses each post-norm + residual add with the pre-norms that read the new residual (sandwich).
+the MoE block run through the Triton kernels in perfkit/kernels/ (rmsnorm, gelu_mul, qk_norm_rope, moe), and each
+decoder layer is, in launches:
+
+    [qkv GEMM] -> [qkv_norm_rope: q-norm+RoPE, k-norm+RoPE, v_norm, K/V written straight into the paged cache]
+    -> [attention] -> [o GEMM] -> [sandwich] -> [gate_up GEMM] -> [gelu_mul on the two halves] -> [down GEMM]
+    -> [sandwich that also emits the NEXT layer's input_layernorm output]
+
+- Merged projections: switching fused on concatenates each attention's q_proj | k_proj | v_proj weights (K=V full
+  layers: q | k) into one [(nh + kvh [+ kvh]) * hd, H] tensor and each MLP's gate_proj | up_proj into one [2I, H]
+  tensor, and re-points the nn.Linear `.weight` Parameters at row-slice VIEWS of it: no second copy, parameter
+  names, state_dict keys, HF loading and `load_state_dict` (in-place copy_) unchanged, and the unfused path reads
+  the same storage (the merged tensors are plain attributes, not registered). Every fused forward checks the
+  views are still views (same modules, same Parameters, same data_ptr; host-only): a Linear swapped for another module (quant.py's Fp8Linear /
+  Nvfp4Linear, TP shards made after merging) or weights replaced in place (`model.to(dtype)`) drop the merged
+  tensor and fall back to separate GEMMs until the next `set_fused(True)` merges again. KV-shared layers (only
+  q_proj) have nothing to merge.
+- K/V straight into the cache: the attention backend's `kv_write_target(layer)` gives (cache, slot_page,
+  slot_offset) of the current step; the kernel writes there and the layer calls `attend(layer, q, None, None)`.
+  fp8 caches (and backends without a paged cache) get k, v through `attend` as before.
+- Sandwiches: each post-norm + residual add also emits the pre-norms that read the new residual; the last one
+  of a layer (the PLE one on E2B/E4B) also emits the next layer's input_layernorm, so `decode_layers` (the layer
+  loop of `forward` and of the CUDA-graph body) passes (h, normed h) from layer to layer; the first layer still
+  runs its own rmsnorm.
+
 Module structure, nn.Linear attributes and parameter names are the same on both paths; triton is imported only
 when the fused path is switched on.
 """
@@ -16,6 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -35,12 +59,64 @@ def _kernels() -> SimpleNamespace:
         rmsnorm=rmsnorm.rmsnorm,
         sandwich=rmsnorm.sandwich_rmsnorm,
         gelu_mul=gelu_mul.gelu_mul,
+        gelu_mul_cat=gelu_mul.gelu_mul_cat,
         qk_norm_rope=qk_norm_rope.qk_norm_rope,
-        k_norm_rope_v_norm=qk_norm_rope.k_norm_rope_v_norm,
-        head_norm=qk_norm_rope.head_norm,
+        qkv_norm_rope_split=qk_norm_rope.qkv_norm_rope_split,
+        split_qkv=qk_norm_rope.split_qkv,
         moe_routing=moe.moe_routing,
         fused_moe=moe.fused_moe,
     )
+
+
+@dataclass(frozen=True)
+class MergedRows:
+    """One [sum N_i, K] weight whose row slices are the `.weight` (views) of plain nn.Linear modules."""
+
+    weight: Tensor
+    parts: tuple[tuple[nn.Module, Tensor, int], ...]  # (linear, its weight Parameter, data_ptr of its view)
+
+    def intact(self, linears: Sequence[nn.Module]) -> bool:
+        """True while the same Linears hold the same Parameters still pointing at their rows of `weight`: a
+        swapped module (quantisation, TP sharding) or replaced data (`model.to(dtype)`) breaks it. Host-only, and
+        run by every fused forward outside CUDA graphs, hence the direct `_parameters` lookup (~1 us per layer)."""
+        if len(linears) != len(self.parts):
+            return False
+        for m, (pm, pw, ptr) in zip(linears, self.parts, strict=True):
+            if m is not pm or m._parameters.get("weight") is not pw or pw.data_ptr() != ptr:
+                return False
+        return True
+
+
+def merge_linear_rows(linears: Sequence[nn.Module]) -> MergedRows | None:
+    """Concatenate the weights of plain bias-free nn.Linear modules (one dtype, device and in_features) into one
+    [sum N_i, K] tensor and re-point each `.weight` Parameter at its row slice (a view of the merged tensor), so
+    one GEMM computes all outputs and the weights exist once. Returns None (nothing changed) for anything else:
+    quantised Linears, subclasses, biases, mixed dtypes, meta tensors."""
+    if not linears or not all(type(m) is nn.Linear and m.bias is None for m in linears):
+        return None
+    ws = [m.weight for m in linears]
+    if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1 or ws[0].device.type == "meta":
+        return None
+    with torch.no_grad():
+        merged = torch.cat([w.detach() for w in ws], dim=0)  # [sum N_i, K]
+        row = 0
+        for w in ws:
+            n = w.shape[0]
+            w.data = merged[row : row + n]  # same Parameter object: names, hooks, requires_grad kept
+            row += n
+    return MergedRows(merged, tuple((m, w, w.data_ptr()) for m, w in zip(linears, ws, strict=True)))
+
+
+def _kv_write_target(
+    attn: AttentionBackend, layer: AttnLayer, dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The backend's direct-write target for this layer's K/V when the kernel can write it (cache of the activation
+    dtype), else None. Backends without the method (test doubles wrapping one) get k, v through attend."""
+    get = getattr(attn, "kv_write_target", None)
+    target = None if get is None else get(layer)
+    if target is not None and target[0].dtype != dtype:
+        return None
+    return target
 
 
 def gelu_tanh(x: Tensor) -> Tensor:
@@ -118,10 +194,30 @@ class Gemma4MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)  # [I, H]
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)  # [I, H]
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)  # [H, I]
+        self.gate_up: MergedRows | None = None  # fused path: [2I, H] (gate rows, then up), a plain attribute
+
+    def _linears(self) -> list[nn.Module]:
+        mods = self._modules  # direct lookups: called by every fused forward
+        return [mods["gate_proj"], mods["up_proj"]]
+
+    def merge_projections(self) -> bool:
+        """Fused path: gate_proj | up_proj as views of one [2I, H] tensor (see the module docstring)."""
+        if self.gate_up is None or not self.gate_up.intact(self._linears()):
+            self.gate_up = merge_linear_rows(self._linears())
+        return self.gate_up is not None
+
+    def merged_weight(self) -> Tensor | None:
+        """The merged [2I, H] weight while the Linears still view it; otherwise drop it (frees it) -> None."""
+        if self.gate_up is not None and not self.gate_up.intact(self._linears()):
+            self.gate_up = None
+        return None if self.gate_up is None else self.gate_up.weight
 
     def forward(self, x: Tensor) -> Tensor:  # [T, H] -> [T, H]
         if self.fused:
-            return self.down_proj(_kernels().gelu_mul(self.gate_proj(x), self.up_proj(x)))
+            K, w = _kernels(), self.merged_weight()
+            if w is not None:  # one GEMM -> [T, 2I], gelu_mul reads the two strided halves
+                return self.down_proj(K.gelu_mul_cat(F.linear(x, w)))
+            return self.down_proj(K.gelu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -141,6 +237,29 @@ class Gemma4Attention(nn.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
             # K=V full layers: V is v_norm(raw k_proj output), so there is no v_proj
             self.v_proj = None if cfg.layer_k_eq_v(layer.index) else nn.Linear(H, kvh * hd, bias=False)
+        self.qkv: MergedRows | None = None  # fused path: [(nh + kvh [+ kvh]) * hd, H], a plain attribute
+
+    def _linears(self) -> list[nn.Module]:
+        """The projections that merge: q | k (| v); none on KV-shared layers (direct lookups: every fused forward)."""
+        if not self.layer.writes_kv:
+            return []
+        mods = self._modules  # v_proj: a registered module, or the plain attribute None (K=V layers)
+        v = mods.get("v_proj")
+        return [mods["q_proj"], mods["k_proj"]] + ([] if v is None else [v])
+
+    def merge_projections(self) -> bool:
+        """Fused path: q_proj | k_proj (| v_proj) as views of one tensor (see the module docstring). KV-shared
+        layers have only q_proj: nothing to merge."""
+        linears = self._linears()
+        if linears and (self.qkv is None or not self.qkv.intact(linears)):
+            self.qkv = merge_linear_rows(linears)
+        return self.qkv is not None
+
+    def merged_weight(self) -> Tensor | None:
+        """The merged qkv weight while the Linears still view it; otherwise drop it (frees it) -> None."""
+        if self.qkv is not None and not self.qkv.intact(self._linears()):
+            self.qkv = None
+        return None if self.qkv is None else self.qkv.weight
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
         if self.fused:
@@ -157,18 +276,24 @@ class Gemma4Attention(nn.Module):
         return self.o_proj(o.reshape(T, -1))
 
     def forward_fused(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
-        """q/k norm + RoPE in one kernel each; K=V layers get k and v_norm(k_raw) from one read of k_raw."""
-        K, T, hd = _kernels(), x.shape[0], self.layer.head_dim
-        q = K.qk_norm_rope(self.q_proj(x).view(T, -1, hd), self.q_norm.weight, cos, sin, self.eps)
-        k = v = None
-        if self.layer.writes_kv:
-            k_raw = self.k_proj(x).view(T, -1, hd)
-            if self.v_proj is None:
-                k, v = K.k_norm_rope_v_norm(k_raw, self.k_norm.weight, cos, sin, self.eps)
-            else:
-                k = K.qk_norm_rope(k_raw, self.k_norm.weight, cos, sin, self.eps)
-                v = K.head_norm(self.v_proj(x).view(T, -1, hd), None, self.eps)
-        o = attn.attend(self.layer, q, k, v)
+        """One qkv GEMM (merged weight; separate GEMMs when not merged) and one qkv_norm_rope launch for q, k, v,
+        K/V written straight into the backend's cache when it offers a target. KV-shared layers: q only."""
+        K, T, la = _kernels(), x.shape[0], self.layer
+        hd = la.head_dim
+        if not la.writes_kv:
+            q = K.qk_norm_rope(self.q_proj(x).view(T, -1, hd), self.q_norm.weight, cos, sin, self.eps)
+            return self.o_proj(attn.attend(la, q, None, None).reshape(T, -1))
+        w = self.merged_weight()
+        if w is not None:  # [T, (nh + kvh [+ kvh]) * hd] -> views, no copies
+            q_raw, k_raw, v_raw = K.split_qkv(F.linear(x, w), la.num_heads, la.num_kv_heads, hd, self.v_proj is None)
+        else:  # quantised (or otherwise unmergeable) projections
+            q_raw, k_raw = self.q_proj(x).view(T, -1, hd), self.k_proj(x).view(T, -1, hd)
+            v_raw = None if self.v_proj is None else self.v_proj(x).view(T, -1, hd)
+        target = _kv_write_target(attn, la, q_raw.dtype)
+        q, k, v = K.qkv_norm_rope_split(
+            q_raw, k_raw, v_raw, self.q_norm.weight, self.k_norm.weight, cos, sin, self.eps, target
+        )  # [T, nh, hd]; k, v [T, kvh, hd] or None when written into the cache
+        o = attn.attend(la, q, k, v)
         return self.o_proj(o.reshape(T, -1))
 
 
@@ -274,7 +399,7 @@ class Gemma4DecoderLayer(nn.Module):
         self, h: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionBackend, ple: Tensor | None
     ) -> Tensor:  # h [T, H]; ple [T, P] or None
         if self.fused:
-            return self.forward_fused(h, rope, attn, ple)
+            return self.forward_fused(h, rope, attn, ple)[0]
         r = h
         h = r + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), *rope, attn))
         r = h
@@ -290,32 +415,50 @@ class Gemma4DecoderLayer(nn.Module):
         return h * self.layer_scalar  # scales the whole residual stream
 
     def forward_fused(
-        self, h: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionBackend, ple: Tensor | None
-    ) -> Tensor:
+        self,
+        h: Tensor,
+        rope: tuple[Tensor, Tensor],
+        attn: AttentionBackend,
+        ple: Tensor | None,
+        x: Tensor | None = None,
+        next_norm: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
         """Same math as `forward`; each post-norm + residual add also emits the pre-norms of the new residual
         (pre_feedforward_layernorm; MoE: pre_feedforward_layernorm_2 and the router's scaled norm), the MoE
-        layer's two post-FFN norms are folded into the post_feedforward sandwich, layer_scalar into the last one."""
+        layer's two post-FFN norms are folded into the post_feedforward sandwich, layer_scalar into the last one.
+
+        x: input_layernorm(h) [T, H] when the previous layer's last sandwich already computed it (None: run the
+        rmsnorm here). next_norm: the next layer's input_layernorm weight [H], folded into this layer's last
+        sandwich. Returns (h [T, H], next_norm(h) [T, H] or None)."""
         K, eps = _kernels(), self.input_layernorm.eps
-        a = self.self_attn(K.rmsnorm(h, self.input_layernorm.weight, eps), *rope, attn)
+        if x is None:
+            x = K.rmsnorm(h, self.input_layernorm.weight, eps)
+        a = self.self_attn(x, *rope, attn)
         nxt, mults = [self.pre_feedforward_layernorm.weight], [1.0]
         if self.enable_moe_block:
             nxt += [self.pre_feedforward_layernorm_2.weight, self.router.scale]
             mults += [1.0, self.router.scalar_root_size]
         r, ys = K.sandwich(a, h, self.post_attention_layernorm.weight, eps, next_weights=nxt, next_mults=mults)
         m = self.mlp(ys[0])
-        scalar = None if self.has_ple else self.layer_scalar
         x2 = None
         if self.enable_moe_block:
             w, idx = K.moe_routing(self.router.proj(ys[2]), self.router.top_k, self.router.per_expert_scale)
             e = self.experts(ys[1], idx, w)
             x2 = (e, self.post_feedforward_layernorm_1.weight, self.post_feedforward_layernorm_2.weight)
-        h, _ = K.sandwich(m, r, self.post_feedforward_layernorm.weight, eps, x2=x2, scalar=scalar)
+        last_next = [] if next_norm is None else [next_norm]  # emitted by the layer's last sandwich
         if self.has_ple:
+            h, _ = K.sandwich(m, r, self.post_feedforward_layernorm.weight, eps, x2=x2)
             g = K.gelu_mul(self.per_layer_input_gate(h), ple)  # [T, P]
-            h, _ = K.sandwich(
-                self.per_layer_projection(g), h, self.post_per_layer_input_norm.weight, eps, scalar=self.layer_scalar
-            )
-        return h
+            h, ys = K.sandwich(
+                self.per_layer_projection(g), h, self.post_per_layer_input_norm.weight, eps,
+                scalar=self.layer_scalar, next_weights=last_next,
+            )  # fmt: skip
+        else:
+            h, ys = K.sandwich(
+                m, r, self.post_feedforward_layernorm.weight, eps, x2=x2, scalar=self.layer_scalar,
+                next_weights=last_next,
+            )  # fmt: skip
+        return h, (ys[0] if ys else None)
 
 
 class Gemma4ForCausalLM(nn.Module):
@@ -345,6 +488,8 @@ class Gemma4ForCausalLM(nn.Module):
 
         Switchable on a live model (A/B arms share the weights); both paths compute the same function (fp32 math
         inside the kernels, so bf16 results differ by rounding). CUDA graphs captured under one setting replay it.
+        Switching on (re-)merges the q|k|v and gate|up weights into views of one tensor each (module docstring);
+        switching off keeps the views, which the unfused path reads like any other weight.
         """
         on = bool(on)
         if on:
@@ -353,6 +498,8 @@ class Gemma4ForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, (RMSNorm, Gemma4MLP, Gemma4Attention, Gemma4Experts, Gemma4DecoderLayer)):
                 m.fused = on
+            if on and isinstance(m, (Gemma4MLP, Gemma4Attention)):
+                m.merge_projections()  # no-op while the views from an earlier switch are intact
 
     # ---- helpers -----------------------------------------------------------------------------------------------
     @property
@@ -438,11 +585,30 @@ class Gemma4ForCausalLM(nn.Module):
         h, text_ids = self.embed(input_ids, mm_embeds)  # [T, H]
         ple = self.per_layer_inputs(text_ids, h) if self.cfg.has_ple else None  # [T, L, P]
         rope = self._rope(positions)  # {is_sliding: (cos, sin) [T, hd/2]}
-        for i, layer in enumerate(self.layers):
-            h = layer(h, rope[layer.is_sliding], attn, None if ple is None else ple[:, i])
+        h = self.decode_layers(h, rope, attn, ple)
         if logits_indices is not None:
             h = h[logits_indices]
         return self.logits(h)
+
+    def decode_layers(
+        self, h: Tensor, rope: dict[bool, tuple[Tensor, Tensor]], attn: AttentionBackend, ple: Tensor | None
+    ) -> Tensor:
+        """Every decoder layer: h [T, H] embeddings -> final hidden [T, H] (before the final norm). rope:
+        {is_sliding: (cos, sin) [T, hd/2]}; ple [T, L, P] or None. The one layer loop of `forward` and of the
+        CUDA-graph decode body. Fused: each layer's last sandwich also emits the next layer's input_layernorm
+        output, so (h, normed h) pass from layer to layer and only the first layer runs its own rmsnorm."""
+        if not self.fused:
+            for i, layer in enumerate(self.layers):
+                h = layer(h, rope[layer.is_sliding], attn, None if ple is None else ple[:, i])
+            return h
+        x: Tensor | None = None  # input_layernorm(h) of the layer about to run, from the previous layer
+        n = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < n else None
+            h, x = layer.forward_fused(
+                h, rope[layer.is_sliding], attn, None if ple is None else ple[:, i], x=x, next_norm=nxt
+            )
+        return h
 
     def logits(self, h: Tensor) -> Tensor:
         """[N, H] final hidden -> float32 soft-capped logits [N, V] (tied embedding as LM head)."""

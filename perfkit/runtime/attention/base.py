@@ -25,8 +25,20 @@ class AttnLayer:
 
 class AttentionBackend(Protocol):
     def attend(self, layer: AttnLayer, q: Tensor, k: Tensor | None, v: Tensor | None) -> Tensor:
-        """q [T, num_heads, hd] (normed + roped); k [T, kvh, hd] (normed + roped) and v [T, kvh, hd] (v_norm'd)
-        or None on KV-shared layers. Writes k/v into its cache (if writes_kv), attends with scale 1.0,
-        returns [T, num_heads, hd]. Per-step metadata lives inside the backend object, set by the engine
-        before the forward; never in module globals."""
+        """q [T, num_heads, hd] (normed + roped); k [T, kvh, hd] (normed + roped) and v [T, kvh, hd] (v_norm'd).
+        Writes k/v into its cache (if writes_kv), attends with scale 1.0, returns [T, num_heads, hd].
+        k = v = None: on KV-shared layers (nothing to write), and on layers that write KV it means "the caller
+        already wrote this step's K/V rows into the target `kv_write_target(layer)` handed out": attend only.
+        Per-step metadata lives inside the backend object, set by the engine before the forward; never in
+        module globals."""
+        ...
+
+    def kv_write_target(self, layer: AttnLayer) -> tuple[Tensor, Tensor, Tensor] | None:
+        """Where the caller may write this step's K/V rows itself (the fused qkv kernel writes them straight into
+        the paged cache, saving the backend's scatter): (cache [num_pages, 2, page_size, kvh, hd], slot_page [T],
+        slot_offset [T] int64 device tensors of the current step's metadata). None when the layer writes no KV,
+        when the cache stores a format the caller cannot write (fp8: the backend quantises with its scales) or
+        when the backend has no paged cache. The caller must also check that cache.dtype equals its K/V dtype.
+        The slot tensors are those the metadata points at (CUDA graphs: static buffers refilled before every
+        replay), so a kernel must read them on the device, never as host values."""
         ...

@@ -90,6 +90,10 @@ class ContiguousAttention:
             self._blob = vision_blob_ids(token_type_ids)
         self.num_tokens += num_tokens
 
+    def kv_write_target(self, layer: AttnLayer) -> None:
+        """No paged cache to write into: the caller always hands k and v to `attend`."""
+        return None
+
     def attend(self, layer: AttnLayer, q: Tensor, k: Tensor | None, v: Tensor | None) -> Tensor:
         # q [T, nh, hd]; k, v [T, kvh, hd] or None (KV-shared layer)
         T = q.shape[0]

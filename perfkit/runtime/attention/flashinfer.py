@@ -30,7 +30,7 @@ import torch
 
 from perfkit.errors import PerfkitError
 from perfkit.runtime.attention.base import AttnLayer
-from perfkit.runtime.attention.torch_paged import write_layer_kv
+from perfkit.runtime.attention.torch_paged import kv_write_target, write_layer_kv
 from perfkit.runtime.kv_cache import SLIDING_POOL, PagedKVCache
 from perfkit.runtime.page_table import AttentionMetadata
 
@@ -137,6 +137,12 @@ class FlashInferBackend:
             self._active[pool] = (dec, pre)
 
     # ---- attention -------------------------------------------------------------------------------------------
+    def kv_write_target(self, layer: AttnLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(cache, slot_page, slot_offset) for the fused qkv kernel's own K/V write (None on fp8 / KV-shared). Under
+        CUDA graphs the slots are DecodeGraphs' static buffers (set_metadata gets the static meta before capture
+        and every replay), so the captured kernel writes where each replay's slots point."""
+        return kv_write_target(self.kv, self.meta, layer)
+
     def attend(self, layer: AttnLayer, q: torch.Tensor, k, v) -> torch.Tensor:
         meta = self.meta
         cache, pool, k_scale, v_scale = write_layer_kv(self.kv, meta, layer, k, v)

@@ -1,5 +1,7 @@
 """Reference paged attention (CPU and GPU): write K/V into pages, gather each request's live pages back, build an
 explicit mask, run SDPA per request with scale 1.0 and GQA by repeat. Slow and obviously correct.
+`kv_write_target` hands the model the cache and the step's slots so a fused kernel can write K/V itself (then
+`attend(layer, q, None, None)` only attends); `write_layer_kv` and `kv_write_target` are shared with FlashInfer.
 
 Mask per request, on the kv as the kernel sees it (live pages only, length kv_len, queries at kv positions
 kv_len - q_len + i): causal AND (window band `qpos - j < W` on sliding layers). On sliding layers of bidirectional
@@ -42,14 +44,28 @@ def write_layer_kv(
     kv: PagedKVCache, meta: AttentionMetadata, layer: AttnLayer, k, v
 ) -> tuple[torch.Tensor, str, float, float]:
     """What every backend's `attend` does first: find this layer's cache, pool and K/V scales, and write the step's
-    new K/V rows (KV-shared layers write nothing). Returns (cache, pool, k_scale, v_scale)."""
+    new K/V rows. KV-shared layers write nothing; k = v = None on a layer that writes KV means the caller already
+    wrote them (into `kv_write_target`). Returns (cache, pool, k_scale, v_scale)."""
     cache = kv.layer_cache(layer.index)
     pool = kv.pool_of(layer.index)
     k_scale, v_scale = kv.layer_scales(layer.index)
-    if layer.writes_kv:
+    if layer.writes_kv and k is not None:
+        assert v is not None, "k given without v"
         pt = meta.pools[pool]
         write_kv(cache, pt.slot_page, pt.slot_offset, k, v, k_scale, v_scale)
     return cache, pool, k_scale, v_scale
+
+
+def kv_write_target(
+    kv: PagedKVCache, meta: AttentionMetadata, layer: AttnLayer
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Both backends' `kv_write_target`: (this layer's cache, slot_page, slot_offset of its pool in the current
+    step's metadata), or None on KV-shared layers and fp8 caches (those rows need the backend's quantising write).
+    The caller writes K/V at cache[slot_page[t], 0 / 1, slot_offset[t]] and then calls attend(layer, q, None, None)."""
+    if not layer.writes_kv or kv.is_fp8:
+        return None
+    pt = meta.pools[kv.pool_of(layer.index)]
+    return kv.layer_cache(layer.index), pt.slot_page, pt.slot_offset
 
 
 def read_kv(pages: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -126,6 +142,9 @@ class TorchPagedBackend:
                 reqs.append((qo[r], qo[r + 1], pt.indices[ind[r] : ind[r + 1]].long(), kv_len, mask))
             self._prep[key] = reqs
         return self._prep[key]
+
+    def kv_write_target(self, layer: AttnLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        return kv_write_target(self.kv, self.meta, layer)
 
     def attend(self, layer: AttnLayer, q: torch.Tensor, k, v) -> torch.Tensor:
         cache, pool, k_scale, v_scale = write_layer_kv(self.kv, self.meta, layer, k, v)
