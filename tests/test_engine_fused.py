@@ -215,3 +215,17 @@ def test_fp8_kv_cache_takes_kv_through_the_backend():
     # (chaotic) random tiny model amplifies a flip: held to mostly equal tokens (measured: all 12 equal)
     same = sum(x == y for r in a for x, y in zip(a[r], b[r], strict=True))
     assert same >= 0.75 * sum(len(t) for t in a.values()), (a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_merging_returns_the_replaced_weights_to_the_driver():
+    """The KV pool is sized from the driver's free memory: the q/k/v and gate/up tensors replaced by the merged
+    ones must not stay in torch's cache (they did: 31B's pool lost ~20 GB and requests were preempted)."""
+    cfg = get_preset("31b", num_layers=2)
+    model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
+    torch.cuda.synchronize()
+    model.set_fused(True)
+    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    assert cached < 64 << 20, f"{cached / 2**20:.0f} MiB left in torch's cache after merging"
+    assert all(layer.mlp.merged_weight() is not None for layer in model.layers)

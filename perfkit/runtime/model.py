@@ -495,11 +495,16 @@ class Gemma4ForCausalLM(nn.Module):
         if on:
             _kernels()  # import triton now: fail here rather than inside a forward
         self.fused = on
+        merged = False
         for m in self.modules():
             if isinstance(m, (RMSNorm, Gemma4MLP, Gemma4Attention, Gemma4Experts, Gemma4DecoderLayer)):
                 m.fused = on
             if on and isinstance(m, (Gemma4MLP, Gemma4Attention)):
-                m.merge_projections()  # no-op while the views from an earlier switch are intact
+                merged |= m.merge_projections()  # no-op while the views from an earlier switch are intact
+        if merged and self.device.type == "cuda":
+            # the replaced q/k/v and gate/up tensors sit in torch's cache as free blocks: hand them back to the
+            # driver, or the engine's KV sizing (free memory after a warmup) would miss them (31B: ~38 GB)
+            torch.cuda.empty_cache()
 
     # ---- helpers -----------------------------------------------------------------------------------------------
     @property
