@@ -225,7 +225,9 @@ def test_gpu_merging_returns_the_replaced_weights_to_the_driver():
     cfg = get_preset("31b", num_layers=2)
     model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
     torch.cuda.synchronize()
-    model.set_fused(True)
-    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    assert cached < 64 << 20, f"{cached / 2**20:.0f} MiB left in torch's cache after merging"
+    torch.cuda.empty_cache()  # baseline: what the weights themselves hold
+    before = torch.cuda.memory_reserved()
+    model.set_fused(True)  # replaces 2 x (176 MB q|k|v + 462 MB gate|up) of separate tensors
+    grown = torch.cuda.memory_reserved() - before
+    assert grown < 64 << 20, f"{grown / 2**20:.0f} MiB more reserved after merging"
     assert all(layer.mlp.merged_weight() is not None for layer in model.layers)

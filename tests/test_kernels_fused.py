@@ -592,16 +592,19 @@ def test_gpu_fused_moe_cuda_graph_capturable():
 @needs_cuda
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "tiny-e2b", "26b-a4b", "31b"])
 def test_gpu_model_fused(preset):
-    """Tiny presets: fp32 tokens identical. Real presets (2 layers, random bf16 weights): logits close."""
+    """Tiny presets: fp32 tokens identical. Real presets (2 layers, random weights): fp32 logits close. fp32, not
+    bf16: on 26B-A4B a bf16 rounding difference flips near-tied router choices (the top-8 sets of the routing
+    kernel and its reference differ on ~1 % of tokens, test_gpu_moe_26b), and one swapped expert moves that
+    token's logits by more than any tolerance that would still catch a wrong kernel. The Triton GEMMs use TF32
+    for fp32 dots (~1e-3 relative), hence 1e-2 of the largest logit."""
     real = not preset.startswith("tiny")
     cfg = get_preset(preset, 2) if real else get_preset(preset)
-    dtype = BF16 if real else torch.float32
-    model = build_model(cfg, DEVICE, dtype, seed=0)
+    model = build_model(cfg, DEVICE, torch.float32, seed=0)
     ref_tokens, ref = greedy_generate(model, PROMPT, 6), _prefill_logits(model, PROMPT)
     model.set_fused(True)
     out = _prefill_logits(model, PROMPT)
     if real:
-        assert (out - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+        assert (out - ref).abs().max().item() < 1e-2 * ref.abs().max().item()
     else:
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
         assert greedy_generate(model, PROMPT, 6) == ref_tokens

@@ -91,6 +91,7 @@ class ModelRunner:
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         logits_idx = qo[1:][sampling] - 1
         t = len(ids)
+        custom_mask = self._custom_mask(sched, tables)  # before the vision encode: its H2D copy waits for the GPU
         mm_embeds = self._mm_embeds(sched)
         # decodes come first, one token each: row r < num_decodes is chunk r's token
         dst = np.nonzero(ids == PLACEHOLDER)[0]
@@ -113,7 +114,7 @@ class ModelRunner:
             num_decodes=sched.num_decodes + n_pad,
             qo_indptr=torch.from_numpy(qo.astype(np.int32)),
             pools=tables,
-            custom_mask=self._custom_mask(sched, tables),
+            custom_mask=custom_mask,
             graph_batch_size=graph_bs,
         )
         return StepInputs(
