@@ -167,6 +167,25 @@ def test_fused_kernels_flashinfer_graphs_match_torch(name):
     assert all(layer.mlp.merged_weight() is not None for layer in fused_model.layers)
 
 
+@pytest.mark.parametrize("name", ["tiny-fi", "31b"])
+def test_overlap_on_vs_off_identical_tokens(name):
+    """Overlapped steps change only when the host waits: the same batches, kernels and graphs run, so the tokens
+    are bit-identical (decodes read their input ids from the previous step's sampled ids on the device), with
+    CUDA graphs, the fused path and mixed prefill + decode steps (staggered max_new_tokens)."""
+    cfg, model = model_for(name)
+    fused_model = copy.deepcopy(model)
+    reqs = prompts(20, seed=17, vocab=cfg.vocab_size)
+    outs = []
+    for overlap in (False, True):
+        e = engine(fused_model, cfg, "flashinfer", True, fused_kernels=True, overlap=overlap)
+        rids = [e.add_request(p, max_new_tokens=8 + (i % 5) * 6) for i, p in enumerate(reqs)]
+        got = e.generate_all()
+        outs.append([got[r] for r in rids])
+        assert not e.has_unfinished()
+        e.bm.check_no_leaks()
+    assert outs[0] == outs[1]
+
+
 @pytest.mark.parametrize("tensor_cores", [False, True])
 def test_decode_tensor_cores_flag(tensor_cores):
     cfg, model = model_for("31b")
