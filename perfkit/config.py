@@ -365,6 +365,7 @@ class CaptureConfig(BaseModel):
     memory: bool = True
     telemetry: bool = True
     telemetry_interval_ms: int = Field(default=100, ge=10)
+    sync_counts: bool = False  # device syncs per engine phase (torch sync debug mode; perturbs timing: opt-in)
     profile: Literal["none", "torch", "cuda", "python"] = "none"
     profile_scenario: str | None = None
     profile_steps: tuple[int, int] = (10, 20)

@@ -9,6 +9,7 @@ telemetry and roofline.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ import torch
 from perfkit.capture.memory import MemoryTracker
 from perfkit.capture.profiler import ProfileWindow
 from perfkit.capture.ranges import DEVICE_RANGES, RangeRecorder
+from perfkit.capture.syncs import SyncCounter
 from perfkit.capture.telemetry import TelemetrySampler
 from perfkit.config import ModelConfig, RunConfig, ScenarioConfig, Toggles
 from perfkit.results import RooflineSection, ScenarioResult
@@ -135,7 +137,8 @@ class ServingTarget:
                 on_progress(finished, sum(r.output_tokens for r in records) / elapsed_s)
 
         requests = iter_requests(scenario.workload, self.token_space, wl_seed)
-        with self.memory.phase(f"scenario:{scenario.name}"), profile:
+        syncs = SyncCounter(self.ranges) if self.cfg.capture.sync_counts and self.device == "cuda" else None
+        with self.memory.phase(f"scenario:{scenario.name}"), profile, syncs or contextlib.nullcontext():
             outcome = drive(engine, requests, make_arrival(scenario.arrival, n, wl_seed), Limits.from_scenario(scenario),
                             materialize, on_step, **self._drive_control())
         if self.device == "cuda":
@@ -167,6 +170,8 @@ class ServingTarget:
             runtime["profile_trace"] = str(profile.trace_path)
         if profile.summary is not None:
             runtime["profile"] = profile.summary
+        if syncs is not None:
+            runtime["syncs"] = syncs.summary(self.ranges.counts())
         nvtx = self.ranges.summary()
         result = base.model_copy(
             update={
