@@ -24,13 +24,13 @@ def test_syncs_attributed_to_the_innermost_range_and_mode_restored():
         for _ in range(4):  # 4 steps: prepare syncs twice, sample once, one sync outside any range
             with rec.range("step"):
                 with rec.range("prepare_inputs"):
-                    warnings.warn(SYNC_MSG, UserWarning)
-                    warnings.warn(SYNC_MSG, UserWarning)  # same call site again: counted ("always")
+                    warnings.warn(SYNC_MSG, UserWarning, stacklevel=1)
+                    warnings.warn(SYNC_MSG, UserWarning, stacklevel=1)  # same call site again: counted ("always")
                 with rec.range("sample"):
-                    warnings.warn(SYNC_MSG, UserWarning)
+                    warnings.warn(SYNC_MSG, UserWarning, stacklevel=1)
                 with rec.range("postprocess"):
                     pass
-        warnings.warn(SYNC_MSG, UserWarning)
+        warnings.warn(SYNC_MSG, UserWarning, stacklevel=1)
     assert modes == ["warn", "default"]
     s = counter.summary(rec.counts())
     assert s["prepare_inputs"] == {"total": 8, "per_call": 2.0}
@@ -44,7 +44,7 @@ def test_other_warnings_still_shown_and_handler_restored():
     before = warnings.showwarning
     with pytest.warns(DeprecationWarning, match="unrelated"):
         with SyncCounter(rec, torch_module=fake_torch([])) as c:
-            warnings.warn("unrelated", DeprecationWarning)
+            warnings.warn("unrelated", DeprecationWarning, stacklevel=1)
     assert warnings.showwarning is before and c.totals == {}
 
 
