@@ -51,10 +51,11 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "decode steps replayed from captured CUDA graphs (on) vs launched eagerly (off)",
     ),
     "fused_kernels": (
-        ("off", "on"),
-        "off",
-        "Triton kernels for RMSNorm (+ residual), GeGLU, per-head QK-norm + RoPE and the MoE path (on) vs the "
-        "PyTorch ops (off)",
+        ("auto", "on", "off"),
+        "auto",
+        "fused decoder layer (on): merged qkv / gate_up GEMMs, Triton RMSNorm sandwiches, GeGLU, one q/k/v norm + "
+        "RoPE kernel writing K/V into the paged cache, the MoE path; vs the PyTorch ops (off); auto = on with a "
+        "CUDA GPU, off on a CPU",
     ),
     "nvtx": (
         ("on", "off"),
@@ -100,7 +101,7 @@ class Toggles(BaseModel):
     page_table: Literal["host", "padded"] = "host"
     mm_embed_cache: Literal["on", "off"] = "on"
     cuda_graphs: Literal["on", "off"] = "on"
-    fused_kernels: Literal["on", "off"] = "off"
+    fused_kernels: Literal["auto", "on", "off"] = "auto"
     nvtx: Literal["on", "off"] = "on"
     overlap: Literal["on", "off"] = "on"
     attention: Literal["auto", "flashinfer", "torch"] = "auto"
@@ -120,7 +121,7 @@ class PartialToggles(BaseModel):
     page_table: Literal["host", "padded"] | None = None
     mm_embed_cache: Literal["on", "off"] | None = None
     cuda_graphs: Literal["on", "off"] | None = None
-    fused_kernels: Literal["on", "off"] | None = None
+    fused_kernels: Literal["auto", "on", "off"] | None = None
     nvtx: Literal["on", "off"] | None = None
     overlap: Literal["on", "off"] | None = None
     attention: Literal["auto", "flashinfer", "torch"] | None = None

@@ -126,3 +126,16 @@ def test_schema_command():
     res = CliRunner().invoke(app, ["config", "schema"])
     assert res.exit_code == 0
     assert '"title": "perfkit run config"' in res.output and config_schema()["properties"]["scenarios"]
+
+
+def test_resolve_toggles_auto_fused_kernels_and_refusals(monkeypatch):
+    from perfkit.config import Toggles
+    from perfkit.runners.suite import resolve_toggles
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu = resolve_toggles(Toggles(), "cpu")
+    assert cpu.fused_kernels == "off" and cpu.attention == "torch" and cpu.cuda_graphs == "off"
+    assert resolve_toggles(Toggles(attention="torch"), "cuda").fused_kernels == "on"  # auto: the fast path on a GPU
+    assert resolve_toggles(Toggles(fused_kernels="off", attention="torch"), "cuda").fused_kernels == "off"
+    with pytest.raises(PerfkitError, match="fused_kernels=on needs a CUDA GPU"):
+        resolve_toggles(Toggles(fused_kernels="on"), "cpu")

@@ -66,7 +66,11 @@ def resolve_toggles(toggles: Toggles, device: str) -> Toggles:
     mask = toggles.mask if triton_ok else "dense"
     if toggles.fused_kernels == "on" and not triton_ok:
         raise PerfkitError("toggles.fused_kernels=on needs a CUDA GPU (or TRITON_INTERPRET=1 on a CPU); use off")
-    return toggles.model_copy(update={"attention": attention, "cuda_graphs": cuda_graphs, "mask": mask})
+    fused = toggles.fused_kernels
+    if fused == "auto":  # the fast path where it runs natively; the interpreter is for tests, not runs
+        fused = "on" if device == "cuda" else "off"
+    return toggles.model_copy(update={"attention": attention, "cuda_graphs": cuda_graphs, "mask": mask,
+                                      "fused_kernels": fused})  # fmt: skip
 
 
 def _check_supported(cfg: RunConfig) -> None:
