@@ -98,7 +98,9 @@ class ModelRunner:
         src = np.fromiter((chunks[r].req.pending_row for r in dst), np.int64, len(dst))
         if len(dst) and (prev_ids is None or dst[-1] >= sched.num_decodes):
             raise RuntimeError("a placeholder token outside the decodes of the step after its sampling step")
-        if len(dst) and mm_embeds is not None:  # rare: the soft-token merge counts placeholder ids on the host
+        # rare: with soft tokens in the step the model matches its image-token ids to mm_embeds' rows, which the
+        # host counted, so a decode's id (it could be the image token) must be known here: read it back (a sync)
+        if len(dst) and mm_embeds is not None:
             ids[dst] = prev_ids.cpu().numpy()[src]
             dst = src = dst[:0]
         ids[dst] = 0
