@@ -286,11 +286,12 @@ def prefill_bytes(
     prefix_lens: Sequence[int] | None = None,
     weight_dtype_bytes: float = 2.0,
     kv_dtype_bytes: float = 2.0,
+    lm_head_dtype_bytes: float | None = None,
 ) -> float:
     """Minimum bytes a prefill moves: weights once (distinct experts over all tokens) + KV written for the new
     tokens on owning layers + KV of the prefix read once per layer (windowed on sliding layers)."""
     prefix = list(prefix_lens) if prefix_lens is not None else [0] * len(seq_lens)
-    w = step_weight_params(cfg, num_tokens=sum(seq_lens)).total * weight_dtype_bytes
+    w = step_weight_bytes(cfg, sum(seq_lens), weight_dtype_bytes, lm_head_dtype_bytes)
     per_tok = kv_cache_bytes_per_token(cfg, kv_dtype_bytes)
     kv_write = (per_tok["sliding"] + per_tok["full"]) * sum(seq_lens)
     kv_read = decode_kv_read_bytes(cfg, [p for p in prefix if p > 0], kv_dtype_bytes)
@@ -385,7 +386,7 @@ def roofline_section(
             sec.mbu = mbu(sec.decode_bytes, decode_step_ms, peak)
     if prefill_seq_lens:
         sec.prefill_flops = prefill_flops(cfg, prefill_seq_lens)
-        p_bytes = prefill_bytes(cfg, prefill_seq_lens, None, weight_dtype_bytes, kv_dtype_bytes)
+        p_bytes = prefill_bytes(cfg, prefill_seq_lens, None, weight_dtype_bytes, kv_dtype_bytes, lm_head_dtype_bytes)
         sec.prefill_bound_ms = bound_ms(p_bytes, sec.prefill_flops, peak, compute_dtype)
         notes.append(f"prefill {len(prefill_seq_lens)} seq, {sum(prefill_seq_lens)} tokens")
         if prefill_ms and prefill_ms > 0:

@@ -78,7 +78,9 @@ def kernel_summary(kernels: Iterable[tuple[str, float, float]], steps: int, top:
         agg = per_name.setdefault(n, [0, 0.0])
         agg[0] += 1
         agg[1] += e - s
-        by_kind[kernel_kind(n)] = by_kind.get(kernel_kind(n), 0.0) + (e - s)
+    for n, (_, t) in per_name.items():  # one kind lookup per distinct name, not per launch
+        kind = kernel_kind(n)
+        by_kind[kind] = by_kind.get(kind, 0.0) + t
     n_steps = max(1, steps)
     ranked = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]
     return {

@@ -238,7 +238,7 @@ class ServingTarget:
         batch = min(batch, self.cfg.runtime.max_batch_size)
         tpot = sm.metrics["tpot_ms"].p50
         ttft = sm.metrics["ttft_ms"].p50 if batch == 1 else None
-        model_bytes = 2.0 if self.model.dtype == torch.bfloat16 else float(self.model.dtype.itemsize)
+        model_bytes = float(self.model.dtype.itemsize)
         q = self.quant
         # quantised decoder weights: their bytes per parameter as loaded (values + scales); the LM head stays
         weight_bytes = model_bytes * q["quantized_bytes_after"] / q["quantized_bytes_before"] if "quant_backend" in q \

@@ -2,8 +2,8 @@
 
 `sample_on_device` leaves the ids on the device (the next step's input ids can be read from there without a
 host round trip); `TokenTransfer` copies them into pinned host memory asynchronously and waits for them only when
-the host needs the values (the engine's overlapped step). `sample` is both in one call: the `.tolist()` at the
-end is the one device->host sync of a step.
+the host needs the values (the engine's overlapped step); `TokenTransfer.wait` is the one device->host sync of
+a step.
 """
 
 from __future__ import annotations
@@ -36,11 +36,6 @@ def sample_on_device(
         if p.temperature > 0.0:
             ids[i] = _sample_row(logits[i], p, g)
     return ids
-
-
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """logits [N, V] float -> N token ids on the host (one per row)."""
-    return sample_on_device(logits, params, generators).tolist()
 
 
 class TokenTransfer:
