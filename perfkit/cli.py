@@ -76,8 +76,10 @@ def run(
     ] = None,
     tp: Annotated[
         Optional[int],
-        typer.Option("--tp", help="tensor-parallel GPUs: relaunches itself as N torchrun ranks "
-                     "(overrides runtime.tensor_parallel)"),
+        typer.Option(
+            "--tp",
+            help="tensor-parallel GPUs: relaunches itself as N torchrun ranks (overrides runtime.tensor_parallel)",
+        ),
     ] = None,
 ) -> None:
     """Run a suite: scenarios x arms x repeats on one loaded model; results go to <out>/<run-id>/."""
@@ -327,6 +329,69 @@ def kernels_mask(
     con.print(f"result: {path}")
 
 
+@kernels_app.command("attention")
+@_guard
+def kernels_attention(
+    preset: Annotated[str, typer.Option("--preset", help="model preset whose pool shapes are timed")] = "31b",
+    pools: Annotated[str, typer.Option("--pools", help="pools: sliding, full (comma-separated)")] = "sliding,full",
+    batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="decode batch sizes")] = "1,16,64",
+    kv_lens: Annotated[
+        str, typer.Option("--kv-lens", help="decode context lengths (a window caps sliding)")
+    ] = "1024,4096",
+    prefill_q_lens: Annotated[str, typer.Option("--prefill-q-lens", help="prefill lengths, one request")] = "8192",
+    decode_impl: Annotated[
+        str, typer.Option("--decode-impl", help="cuda_cores, tc_fa2, tc_fa3 (tensor cores through prefill kernels)")
+    ] = "cuda_cores,tc_fa2,tc_fa3",
+    prefill_impl: Annotated[str, typer.Option("--prefill-impl", help="fa2, fa3")] = "fa2,fa3",
+    kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="bf16 | fp8")] = "bf16",
+    page_size: Annotated[int, typer.Option("--page-size", help="KV page size")] = 16,
+    repeats: Annotated[int, typer.Option("--repeats", help="timed replays per case")] = 20,
+    out: Annotated[Path, typer.Option("--out", help="results directory; the run goes to <out>/<run-id>/")] = Path(
+        "results"
+    ),
+    label: Annotated[Optional[str], typer.Option("--label", help="appended to the run id")] = None,
+) -> None:
+    """FlashInfer decode (CUDA cores vs tensor cores) and prefill (FA2 vs FA3) at a model's pool shapes."""
+    from perfkit.provenance import collect
+    from perfkit.results import KernelRow, Result, make_run_id, write_result
+    from perfkit.runners.attention_sweep import attention_cases, best_impls, run_attention_sweep
+
+    if repeats < 1 or page_size < 1:
+        raise PerfkitError("--repeats and --page-size must be >= 1")
+    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
+    rows = attention_cases(
+        preset, split(pools), _int_list("--batch-sizes", batch_sizes), _int_list("--kv-lens", kv_lens),
+        _int_list("--prefill-q-lens", prefill_q_lens), split(decode_impl), split(prefill_impl), kv_dtype,
+    )  # fmt: skip
+    result = Result(
+        run_id=make_run_id("kernels-attention", label),
+        command=" ".join(["perfkit", *sys.argv[1:]]),
+        config={"kernel": "attention", "preset": preset, "page_size": page_size, "repeats": repeats},
+        provenance=collect(),
+        kernels=[],
+    )
+    path = out / result.run_id / "result.json"
+    con = _console()
+
+    def on_row(row: dict[str, Any]) -> None:
+        result.kernels.append(KernelRow(**row))
+        write_result(path, result)
+        s = row["shape"]
+        where = f"b{s['batch']} kv{s['kv_len']}" if "batch" in s else f"q{s['q_len']}"
+        timing = f"{row['median_ms']:.4f} ms ({row['x_bound']:.2f}x bound)" if row["median_ms"] else row["message"]
+        con.print(f"  {row['kernel']} {s['pool']} {where} {row['impl']}: {row['status']} {timing}")
+
+    run_attention_sweep(rows, page_size, repeats, on_row=on_row)
+    result.status = "complete"
+    result.config["best"] = best_impls(rows)
+    write_result(path, result)
+    table = Table("case", "fastest impl", title=f"attention, {preset}, {result.provenance['gpu'].get('name', '-')}")
+    for case, impl in result.config["best"].items():
+        table.add_row(case, impl)
+    con.print(table)
+    con.print(f"result: {path}")
+
+
 # --------------------------------------------------------------------------------------------------------------
 # perfkit compare / plot
 # --------------------------------------------------------------------------------------------------------------
@@ -365,8 +430,11 @@ def compare(
         from perfkit.plots import plot_results, write_delta_plots
 
         written = write_delta_plots(report, plots)
-        written += [(p.stem.replace("_", " "), p) for p in plot_results([a] + ([b] if b else []), plots)
-                    if not p.name.endswith("_delta.png")]
+        written += [
+            (p.stem.replace("_", " "), p)
+            for p in plot_results([a] + ([b] if b else []), plots)
+            if not p.name.endswith("_delta.png")
+        ]
         base = markdown.parent if markdown is not None else Path.cwd()
         images = [(title, os.path.relpath(p, base)) for title, p in written]
         con.print(f"plots: {len(written)} PNGs in {plots}")
@@ -385,7 +453,9 @@ def compare(
 @_guard
 def plot(
     results: Annotated[list[Path], typer.Argument(help="result.json files (or run directories)")],
-    out: Annotated[Optional[Path], typer.Option("--out", help="output directory (default: beside the first result)")] = None,
+    out: Annotated[
+        Optional[Path], typer.Option("--out", help="output directory (default: beside the first result)")
+    ] = None,
 ) -> None:
     """Draw the figures that fit the given results (CDFs, deltas, throughput-latency, memory, NVTX, mask sweep)."""
     from perfkit.plots import plot_results
@@ -413,7 +483,9 @@ def generate(
     device: Annotated[str, typer.Option("--device", help="cpu | cuda")] = "cpu",
     dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16")] = "float32",
     seed: Annotated[int, typer.Option("--seed", help="seed of random weights")] = 0,
-    num_layers: Annotated[Optional[int], typer.Option("--num-layers", help="truncate (keeps the layer pattern)")] = None,
+    num_layers: Annotated[
+        Optional[int], typer.Option("--num-layers", help="truncate (keeps the layer pattern)")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help='print {"token_ids": [...]}')] = False,
 ) -> None:
     """Greedy-generate with the bundled Gemma4 runtime (contiguous reference attention); prints the new ids."""
