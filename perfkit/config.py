@@ -185,7 +185,9 @@ class RuntimeConfig(BaseModel):
     max_batch_size: int = Field(default=256, ge=1)
     max_num_tokens: int = Field(default=8192, ge=1, description="token budget of one engine step")
     max_model_len: int = Field(default=32768, ge=1, description="longest context a request may reach")
-    decode_tensor_cores: Literal["auto", "on", "off"] = "auto"
+    decode_tensor_cores: Literal["auto", "on", "off"] = Field(
+        default="auto", description="flashinfer decode on tensor cores; auto = by pool and batch size, as measured"
+    )
     tensor_parallel: int = Field(
         default=1, ge=1, description="TP ranks (one GPU each) launched through torchrun; `perfkit run --tp N` overrides"
     )

@@ -67,7 +67,7 @@ class EngineConfig:
     overlap: bool = True  # prepare step N+1 on the host while the GPU runs step N (see the module docstring)
     num_kv_pages: int | None = None  # override: pages per pool (tests); else kv_cache_bytes; else measured
     kv_cache_bytes: int | None = None  # override: KV budget in bytes (before the split between pools)
-    decode_use_tensor_cores: bool | None = None  # flashinfer decode; None = tensor cores when GQA group >= 4
+    decode_use_tensor_cores: bool | None = None  # flashinfer decode; None = by pool and batch (measured rule)
     workspace_bytes: int = 256 << 20  # flashinfer float workspace, shared by every wrapper
     seed: int = 0  # sampling generators
 

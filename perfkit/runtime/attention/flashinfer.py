@@ -34,10 +34,19 @@ from perfkit.runtime.attention.torch_paged import kv_write_target, write_layer_k
 from perfkit.runtime.kv_cache import SLIDING_POOL, PagedKVCache
 from perfkit.runtime.page_table import AttentionMetadata
 
+TENSOR_CORE_MAX_BATCH = 8  # small-group pools use tensor-core decode up to this batch (measured, see below)
 
-def default_use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
-    """flashinfer.md §2.5 rule of thumb: tensor-core decode when the GQA group is >= 4."""
-    return num_heads // num_kv_heads >= 4
+
+def default_use_tensor_cores(num_heads: int, num_kv_heads: int, batch_size: int) -> bool:
+    """Tensor-core decode (FlashInfer's FA2 prefill kernels) or its CUDA-core decode kernel, chosen by measurement.
+
+    ``perfkit kernels attention`` on the H200 (docs/h200-runs/2026-12-01b/1-attention-*.json, L2-cold graphs):
+    with a GQA group >= 4 (the hd512 full pools) tensor cores win at every batch, 2-2.6x (31B b64 kv4096 555 vs
+    1408 us). The group-2 sliding pools (hd256) win with tensor cores at batch 1 (31B 13.7 vs 16.2 us, 26B-A4B
+    11.4 vs 14.8 us) and not from batch 16 on (31B b16 75.6 vs 76.0, b64 284 vs 267 us; 26B b16 46.6 vs 42.5 us),
+    so small batches take tensor cores. (flashinfer.md's rule of thumb was the group alone.)
+    """
+    return num_heads // num_kv_heads >= 4 or batch_size <= TENSOR_CORE_MAX_BATCH
 
 
 class FlashInferBackend:
@@ -66,24 +75,33 @@ class FlashInferBackend:
         self.device = kv_cache.device
         self.q_dtype = q_dtype
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
-        self.tensor_cores = {
-            p: default_use_tensor_cores(s.num_heads, s.num_kv_heads)
-            if decode_use_tensor_cores is None
-            else decode_use_tensor_cores
-            for p, s in kv_cache.specs.items()
-        }
+        self.tensor_cores_flag = decode_use_tensor_cores  # None: by pool and batch (default_use_tensor_cores)
+        # prefill "auto": FA3 on the hd256 sliding pool, FA2 on hd512 (FA3 does not build for it). Measured with
+        # `perfkit kernels attention` (H200): FA3 is 13 % faster at a 31B 8K sliding prefill (904 vs 1038 us)
         self.prefill = {p: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                                            backend=prefill_backend)
                         for p in kv_cache.specs}  # fmt: skip
         self.prefill_masked = {SLIDING_POOL: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend="fa2")} if SLIDING_POOL in kv_cache.specs else {}  # fmt: skip
-        self.decode = {p: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                         use_tensor_cores=self.tensor_cores[p])
-                       for p in kv_cache.specs}  # fmt: skip
+        self.decode: dict[tuple[str, bool], object] = {}  # (pool, tensor cores) -> eager decode wrapper
         self.graph_decode: dict[int, dict] = {}  # batch size -> pool -> wrapper (use_cuda_graph=True)
         self._events: dict[int, torch.cuda.Event] = {}
         self.meta: AttentionMetadata | None = None
         self._active: dict[str, tuple] = {}  # pool -> (decode wrapper | None, prefill wrapper | None)
+
+    def tensor_cores(self, pool: str, batch_size: int) -> bool:
+        if self.tensor_cores_flag is not None:
+            return self.tensor_cores_flag
+        spec = self.kv.specs[pool]
+        return default_use_tensor_cores(spec.num_heads, spec.num_kv_heads, batch_size)
+
+    def _eager_decode(self, pool: str, batch_size: int):
+        key = (pool, self.tensor_cores(pool, batch_size))
+        if key not in self.decode:
+            self.decode[key] = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=key[1]
+            )
+        return self.decode[key]
 
     # ---- CUDA graph wrappers ---------------------------------------------------------------------------------
     def make_graph_wrappers(self, batch_size: int) -> None:
@@ -92,7 +110,7 @@ class FlashInferBackend:
         wrappers = {}
         for p in self.kv.specs:
             wrappers[p] = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores[p],
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores(p, batch_size),
                 paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=self.device),
                 paged_kv_indices_buffer=torch.zeros(self.kv.num_pages[p] + batch_size, dtype=torch.int32,
                                                     device=self.device),
@@ -121,7 +139,8 @@ class FlashInferBackend:
             common = dict(window_left=wl, sm_scale=1.0, q_data_type=self.q_dtype, kv_data_type=kv_dtype)
             dec = pre = None
             if nd:
-                dec = self.graph_decode[meta.graph_batch_size][pool] if meta.graph_batch_size else self.decode[pool]
+                dec = (self.graph_decode[meta.graph_batch_size][pool] if meta.graph_batch_size
+                       else self._eager_decode(pool, nd))  # fmt: skip
                 nnz = int(pt.indptr[nd])
                 self._plan(dec, dec.plan, pt.indptr[: nd + 1], pt.indices[:nnz], pt.last_page_len[:nd],
                            spec.num_heads, spec.num_kv_heads, spec.head_dim, self.kv.page_size,
