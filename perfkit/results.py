@@ -135,6 +135,7 @@ class RooflineSection(BaseModel):
     mbu: float | None = None
     mfu: float | None = None
     output_tok_s_bound: float | None = None  # closed-loop throughput ceiling (roofline.serving_bound)
+    output_tok_s_bound_serial: float | None = None  # the same when a step's kernels run one after another
     throughput_fraction: float | None = None  # measured output_tok_s / output_tok_s_bound
     notes: str | None = None
 

@@ -23,6 +23,10 @@ are at least OSL steps x the weights (a request needs OSL sequential steps; conc
 step's weight read, so C requests need no more than OSL steps) + each decode token's KV read. The wave takes at
 least max(FLOPs / peak, bytes / bandwidth) (perfect overlap of compute and memory): `output_tok_s_bound` =
 C x OSL / that time. No schedule beats it; a measured output_tok_s above it means the accounting is wrong.
+`output_tok_s_bound_serial` is the ceiling of an engine whose kernels of one step run one after another (this
+runtime, vLLM, TensorRT-LLM): a layer's decode attention needs that layer's qkv GEMM and feeds its o_proj, so its
+KV read (memory-bound) cannot hide under GEMM compute; the wave then takes at least (FLOPs other than decode
+attention) / peak + decode KV bytes / bandwidth.
 
 Weight bytes: `weight_dtype_bytes` per parameter of the decoder layers (the quantised ones: fp8 ~1 + scales,
 nvfp4 ~0.56); the tied embedding / LM head at `lm_head_dtype_bytes` (it stays in the model dtype).
@@ -308,6 +312,8 @@ class ServingBound:
     bound_s: float  # max(flops / peak, bytes / bandwidth)
     compute_bound: bool
     output_tok_s_bound: float  # concurrency * osl / bound_s
+    serial_bound_s: float  # >= bound_s: decode attention's KV read added to the compute time (module docstring)
+    output_tok_s_bound_serial: float  # concurrency * osl / serial_bound_s
 
 
 def serving_bound(
@@ -331,7 +337,11 @@ def serving_bound(
     bytes_ = steps * step_weight_bytes(cfg, C, weight_dtype_bytes, lm_head_dtype_bytes) + C * per_req_kv
     t_flops, t_bytes = flops / peak.flops_per_s(compute_dtype), bytes_ / peak.bytes_per_s
     bound = max(t_flops, t_bytes)
-    return ServingBound(C, flops, bytes_, bound, t_flops >= t_bytes, C * osl / bound)
+    decode_attn_flops = C * sum(attention_flops(cfg, 1, c - 1) for c in ctxs)
+    serial = max(
+        bound, (flops - decode_attn_flops) / peak.flops_per_s(compute_dtype) + C * per_req_kv / peak.bytes_per_s
+    )
+    return ServingBound(C, flops, bytes_, bound, t_flops >= t_bytes, C * osl / bound, serial, C * osl / serial)
 
 
 def bound_ms(bytes_: float, flops: float, peak: GpuPeak, compute_dtype: str = "bf16") -> float:
@@ -400,6 +410,7 @@ def roofline_section(
         sb = serving_bound(cfg, peak, isl, osl, conc, weight_dtype_bytes, kv_dtype_bytes, lm_head_dtype_bytes,
                            compute_dtype)  # fmt: skip
         sec.output_tok_s_bound = sb.output_tok_s_bound
+        sec.output_tok_s_bound_serial = sb.output_tok_s_bound_serial
         if output_tok_s:
             sec.throughput_fraction = output_tok_s / sb.output_tok_s_bound
         notes.append(f"serving bound: isl {isl}, osl {osl}, concurrency {conc}, "

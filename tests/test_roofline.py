@@ -235,6 +235,12 @@ def test_31b_serving_bound_by_hand():
     assert sb.compute_bound and sb.bound_s == pytest.approx(C * flops_req / 790e12)
     assert sb.output_tok_s_bound == pytest.approx(C * osl / (C * flops_req / 790e12))
     assert 1450 < sb.output_tok_s_bound < 1500
+    # serial kernels: the decode attention (127 tokens per request) adds its KV read to the compute time
+    decode_attn = C * (50 * 4 * 32 * 256 * 127 * 1024 + 10 * 4 * 32 * 512 * ctx_sum)
+    serial = (C * flops_req - decode_attn) / 790e12 + C * kv_req / 4.3e12
+    assert sb.serial_bound_s == pytest.approx(serial, rel=1e-12)
+    assert sb.output_tok_s_bound_serial == pytest.approx(C * osl / serial)
+    assert 1100 < sb.output_tok_s_bound_serial < 1150  # 10x an HF peer at 132 tok/s would be 1,320
     # batch 1: memory-bound, ~1 / 14.5 ms per token once the prefill is amortised over 128 tokens
     one = serving_bound(cfg, peak, isl, osl, 1)
     assert not one.compute_bound and one.output_tok_s_bound == pytest.approx(128 / (one.bytes / 4.3e12))
@@ -243,5 +249,7 @@ def test_31b_serving_bound_by_hand():
     assert q.bytes == pytest.approx(osl * (0.5625 * (LINEAR_31 + NORMS_31) + 2 * LM_HEAD_31) + kv_req / 2, rel=1e-12)
     sec = roofline_section(cfg, peak, serving=(isl, osl, C), output_tok_s=740.0)
     assert sec.output_tok_s_bound == pytest.approx(sb.output_tok_s_bound)
+    assert sec.output_tok_s_bound_serial == pytest.approx(sb.output_tok_s_bound_serial)
+    assert one.serial_bound_s >= one.bound_s
     assert sec.throughput_fraction == pytest.approx(740.0 / sb.output_tok_s_bound)
     assert "compute-bound" in sec.notes

@@ -320,7 +320,7 @@ def print_summary(console: Console, result: Result) -> None:
     """The end-of-run table: one row per scenario x arm x repeat."""
     table = Table(title=f"perfkit run {result.run_id}", show_lines=False)
     for col in ("scenario", "arm", "rep", "status", "req", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
-                "ITL p99 ms", "out tok/s", "ceiling tok/s", "peak mem GiB", "bound ms", "MBU", "MFU"):
+                "ITL p99 ms", "out tok/s", "ceiling tok/s", "serial ceiling", "peak mem GiB", "bound ms", "MBU", "MFU"):
         table.add_column(col, justify="left" if col in ("scenario", "arm", "status") else "right")
     for s in result.scenarios:
         m = s.metrics
@@ -338,6 +338,7 @@ def print_summary(console: Console, result: Result) -> None:
             _fmt(m["itl_ms"].p99, ".2f") if "itl_ms" in m else "-",
             _fmt(s.throughput.output_tok_s) if s.throughput else "-",
             _fmt(rf.output_tok_s_bound if rf else None),
+            _fmt(rf.output_tok_s_bound_serial if rf else None),
             _fmt(peak / 2**30 if peak else None, ".2f"),
             _fmt(rf.decode_bound_ms if rf else None, ".2f"),
             _fmt(rf.mbu if rf else None, ".2f"),
