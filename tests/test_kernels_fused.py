@@ -13,8 +13,10 @@ import math
 import pytest
 import torch
 
+from perfkit.kernels import moe
 from perfkit.kernels.gelu_mul import gelu_mul, gelu_mul_cat, gelu_mul_ref, gelu_mul_traffic
 from perfkit.kernels.moe import (
+    MOE_GATHER_MAX_PAIRS,
     expected_active_experts,
     fused_moe,
     fused_moe_ref,
@@ -22,6 +24,7 @@ from perfkit.kernels.moe import (
     moe_align,
     moe_routing,
     moe_routing_ref,
+    select_moe_path,
 )
 from perfkit.kernels.qk_norm_rope import (
     head_norm,
@@ -388,6 +391,87 @@ def test_fused_moe(dtype, T):
     check(out1, fused_moe_ref(x.float(), gu.float(), dn.float(), w[:, :1], idx[:, :1]), dtype, 2e-2, 2e-2)
 
 
+# gather path: (T, K, E, routing); "distinct" (no two pairs share an expert) needs T*K <= E
+GATHER_CASES = [
+    (T, K, E, r)
+    for T in (1, 2, 5, 8)
+    for K in (1, 2, 8)
+    for E in (4, 16)
+    for r in ("shared", "distinct")
+    if K <= E and (r == "shared" or T * K <= E)
+]
+# H 76 / I 40: no tile divides them; these tiles give 2 N tiles and 2 loop steps per kernel, both partial
+SMALL_TILES = {"gate_up_tiles": {"BLOCK_N": 32, "BLOCK_K": 64}, "down_tiles": {"BLOCK_N": 64, "BLOCK_K": 32}}
+
+
+def _moe_case(T, K, E, routing, dtype, H=76, inter=40):
+    g = torch.Generator().manual_seed(T * 100 + K * 10 + E)
+    if routing == "distinct":  # every pair its own expert; int64 ids
+        idx = torch.randperm(E, generator=g)[: T * K].view(T, K)
+    else:  # every token draws K of the same K + 1 experts: tokens share experts; int32 ids
+        pool = torch.randperm(E, generator=g)[: min(E, K + 1)]
+        idx = torch.stack([pool[torch.randperm(pool.numel(), generator=g)[:K]] for _ in range(T)]).int()
+    w = torch.rand(T, K, generator=g) + 0.25
+    x = _rand(T, H, dtype=dtype, seed=1)
+    gu = _rand(E, 2 * inter, H, dtype=dtype, scale=0.1, seed=2)
+    dn = _rand(E, H, inter, dtype=dtype, scale=0.1, seed=3)
+    return x, gu, dn, w.to(DEVICE), idx.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,K,E,routing", GATHER_CASES)
+def test_fused_moe_gather(dtype, T, K, E, routing):
+    x, gu, dn, w, idx = _moe_case(T, K, E, routing, dtype)
+    if routing == "distinct":
+        assert idx.unique().numel() == T * K
+    out = fused_moe(x, gu, dn, w, idx, path="gather", **SMALL_TILES)
+    assert out.dtype == dtype and out.shape == x.shape
+    check(out, fused_moe_ref(x.float(), gu.float(), dn.float(), w, idx), dtype, rtol=2e-2, atol_rel=2e-2)
+    check(out, fused_moe(x, gu, dn, w, idx, path="sorted"), dtype, rtol=2e-2, atol_rel=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_moe_gather_default_tiles_and_zero_weights(dtype):
+    """Default tiles fitted to small shapes; weight-0 pairs (the expert-parallel form: another rank's pair sent
+    to local expert 0 with weight 0) add nothing; a non-contiguous idx / w (a K = 1 slice)."""
+    x, gu, dn, w, idx = _moe_case(5, 4, 16, "shared", dtype, H=44, inter=24)  # tiles fitted: 2 + 6 N tiles
+    w[1, 2] = w[3, 0] = w[4, :] = 0.0
+    idx[1, 2] = idx[3, 0] = 0
+    out = fused_moe(x, gu, dn, w, idx, path="gather")
+    check(out, fused_moe_ref(x.float(), gu.float(), dn.float(), w, idx), dtype, rtol=2e-2, atol_rel=2e-2)
+    assert torch.all(out[4] == 0)
+    out1 = fused_moe(x, gu, dn, w[:, 1:2], idx[:, 1:2], path="gather")
+    check(out1, fused_moe_ref(x.float(), gu.float(), dn.float(), w[:, 1:2], idx[:, 1:2]), dtype, 2e-2, 2e-2)
+
+
+def test_fused_moe_path_validation():
+    x, gu, dn, w, idx = _moe_case(1, 2, 4, "shared", torch.float32)
+    with pytest.raises(ValueError, match="path 'gemv' must be one of 'auto', 'gather', 'sorted'"):
+        fused_moe(x, gu, dn, w, idx, path="gemv")
+    with pytest.raises(ValueError, match="path"):
+        fused_moe_traffic(1, 8, 4, 4, 2, path="Gather")
+    with pytest.raises(ValueError, match="unknown tile keys"):
+        fused_moe(x, gu, dn, w, idx, gate_up_tiles={"BLOCK_M": 16})
+    with pytest.raises(ValueError, match="power of 2"):
+        fused_moe(x, gu, dn, w, idx, down_tiles={"BLOCK_N": 24})
+
+
+def test_fused_moe_dispatch(monkeypatch):
+    n = MOE_GATHER_MAX_PAIRS
+    assert select_moe_path(1) == select_moe_path(n) == "gather"
+    assert select_moe_path(n + 1) == "sorted"
+    assert select_moe_path(1, "sorted") == "sorted" and select_moe_path(10**6, "gather") == "gather"
+    calls = []
+    monkeypatch.setattr(moe, "_fused_moe_gather", lambda x, *a: calls.append("gather") or torch.zeros_like(x))
+    monkeypatch.setattr(moe, "_fused_moe_sorted", lambda x, *a: calls.append("sorted") or torch.zeros_like(x))
+    E, H, inter, K = 4, 8, 4, 2
+    gu, dn = torch.zeros(E, 2 * inter, H, device=DEVICE), torch.zeros(E, H, inter, device=DEVICE)
+    for T, path in [(1, "auto"), (n // K, "auto"), (n // K + 1, "auto"), (n, "gather"), (1, "sorted")]:
+        x, w, idx = torch.zeros(T, H, device=DEVICE), torch.ones(T, K, device=DEVICE), torch.zeros(T, K, device=DEVICE)
+        fused_moe(x, gu, dn, w, idx.int(), path=path)
+    assert calls == ["gather", "gather", "sorted", "gather", "sorted"]
+
+
 # --------------------------------------------------------------------------------------------------------------
 # traffic formulas vs hand counts
 # --------------------------------------------------------------------------------------------------------------
@@ -419,9 +503,14 @@ def test_traffic_formulas():
     assert t["flops"] == 2 * 8 * (7 * 4 + 3)
     t = qkv_norm_rope_traffic(2, 3, 1, 8, k_eq_v=True, kv_cache=False)  # K=V: no v columns to read; no slots
     assert (t["bytes_read"], t["bytes_written"], t["unfused_bytes"]) == (96 + 32 + 32 + 32, 160, 512 + 64 + 32 + 64)
-    m = fused_moe_traffic(2, 8, 4, 4, 2, active_experts=3)  # P = 4 pairs
+    m = fused_moe_traffic(2, 8, 4, 4, 2, active_experts=3, path="sorted")  # P = 4 pairs
     assert m["weight_bytes"] == 3 * (2 * 4 * 8 + 8 * 4) * 2 == 576
     assert (m["bytes_read"], m["bytes_written"]) == (576 + 32 + 32 + 64, 32 + 64 + 32)
+    assert m["gather_weight_bytes"] == 4 * 3 * 4 * 8 * 2 == 768  # every pair's expert from DRAM
+    g = fused_moe_traffic(2, 8, 4, 4, 2, active_experts=3)  # P = 4: auto -> gather: no y [P, H] written + read
+    assert g == fused_moe_traffic(2, 8, 4, 4, 2, active_experts=3, path="gather")
+    assert (g["bytes_read"], g["bytes_written"], g["weight_bytes"]) == (576 + 32 + 32, 32 + 32, 576)
+    assert g["flops"] == m["flops"]
     assert m["flops"] == 2 * 4 * 8 * 8 + 2 * 4 * 4 * 8 + 10 * 4 * 4 + 2 * 4 * 8
     assert fused_moe_traffic(1, 2816, 704, 128, 8)["active_experts"] == 8
     assert expected_active_experts(10**6, 128, 8) == pytest.approx(128)
@@ -555,8 +644,10 @@ def test_gpu_qkv_norm_rope_cuda_graph_reads_slots_on_device():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("T", [1, 64, 8192])
-def test_gpu_moe_26b(T):
+@pytest.mark.parametrize(
+    "T,path", [(1, "auto"), (1, "sorted"), (8, "gather"), (8, "sorted"), (64, "auto"), (64, "gather"), (8192, "auto")]
+)
+def test_gpu_moe_26b(T, path):
     E, H, inter, K = 128, 2816, 704, 8
     x = _rand(T, H, dtype=BF16)
     gu = _rand(E, 2 * inter, H, dtype=BF16, scale=0.02, seed=1)
@@ -568,24 +659,32 @@ def test_gpu_moe_26b(T):
     # the same experts per token; their order within the top-k may differ on bf16 ties (the H200 run saw swaps)
     same_set = (idx.long().sort(-1).values == idx_ref.long().sort(-1).values).all(-1)
     assert same_set.float().mean() > 0.99
-    out = fused_moe(x, gu, dn, w, idx)
+    out = fused_moe(x, gu, dn, w, idx, path=path)
     check(out, fused_moe_ref(x, gu, dn, w, idx), BF16, rtol=2e-2, atol_rel=2e-2)
 
 
 @gpu
 @needs_cuda
-def test_gpu_fused_moe_cuda_graph_capturable():
+@pytest.mark.parametrize("path", ["gather", "sorted"])
+def test_gpu_fused_moe_cuda_graph_capturable(path):
     E, H, inter, K, T = 128, 2816, 704, 8, 4
     x = _rand(T, H, dtype=BF16)
     gu, dn = _rand(E, 2 * inter, H, dtype=BF16, scale=0.02), _rand(E, H, inter, dtype=BF16, scale=0.02)
     w, idx = moe_routing(_rand(T, E, dtype=BF16, seed=3), K, torch.ones(E, device=DEVICE))
-    ref = fused_moe(x, gu, dn, w, idx)
+    ref = fused_moe(x, gu, dn, w, idx, path=path)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe(x, gu, dn, w, idx)
+        out = fused_moe(x, gu, dn, w, idx, path=path)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, ref)
+    # new routing written into the captured inputs: the replay follows it (ids read on the device)
+    w2, idx2 = moe_routing(_rand(T, E, dtype=BF16, seed=4), K, torch.ones(E, device=DEVICE))
+    w.copy_(w2)
+    idx.copy_(idx2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fused_moe(x, gu, dn, w, idx, path=path))
 
 
 @gpu

@@ -1,30 +1,77 @@
-"""Fused MoE for Gemma4 26B-A4B (``reference/gemma4.md`` §3): routing kernel + expert-grouped GEMMs, no loop over E.
+"""Fused MoE for Gemma4 26B-A4B (``reference/gemma4.md`` §3): routing kernel + expert GEMMs, no loop over E.
 
-Pipeline (:func:`fused_moe` after :func:`moe_routing`)::
+Shapes: T tokens, H hidden (2816), I expert intermediate (704), E experts (128), K slots per token (top-8);
+the T*K (token, slot) "pairs" p = t*K + k. Experts are GeGLU-tanh: y = Wd (gelu_tanh(Wg x) * (Wu x)).
 
-    routing   w, idx = topk(softmax_f32(logits), K); w /= sum(w); w *= per_expert_scale[idx]     (one program/token)
-    align     the T*K (token, slot) "pairs" sorted by expert (stable), each expert's run padded to BLOCK_M rows;
+Routing (:func:`moe_routing`, one program per token)::
+
+    w, idx = topk(softmax_f32(logits), K); w /= sum(w); w *= per_expert_scale[idx]     w fp32 [T, K], idx [T, K]
+
+:func:`fused_moe` then takes one of two paths, chosen by the number of pairs P = T*K (``path="auto"``: P <=
+``MOE_GATHER_MAX_PAIRS`` -> gather, else sorted). Both are sync-free (expert ids are read on the device, no
+``.item()`` / ``.tolist()``), so both are CUDA-graph capturable, and both give the same result up to fp32
+accumulation order (the sorted path also rounds its per-pair outputs y to x's dtype before the combine).
+
+Gather path (decode; 2 kernels, no sort)::
+
+    gate_up   act[p, n] = gelu_tanh(x[p // K] . Wg[e][n]) * (x[p // K] . Wu[e][n]),  e = idx[p]
+              grid (P, cdiv(I, BLOCK_N)); Wg = gate_up_proj[e][:I], Wu = gate_up_proj[e][I:]; act [P, I]
+    down      out[t, n] = sum_k w[t, k] * (act[t*K + k] . Wd[e_k][n]),  e_k = idx[t, k]
+              grid (T, cdiv(H, BLOCK_N)); routing weight and combine fused, the K slots summed in a fixed order
+              in fp32 (deterministic, no atomics), out [T, H] stored once
+
+    Why: at decode P is tiny (8 at batch 1, 128 at batch 16), so grouping pairs by expert buys no weight reuse
+    worth its cost: the align step is ~25 small launches (sort, scans, searchsorted, scatter) plus a combine, per
+    MoE layer, next to two GEMMs that stream ~95 MB in ~22 us. Each program is a GEMV on CUDA cores (one row per
+    pair, so a tensor-core tile of >= 16 rows would be mostly padding): broadcast multiply into an fp32
+    [BLOCK_N, BLOCK_K] accumulator over a loop of K-chunks, one tl.sum at the end. Pair-major grids (pairs /
+    tokens vary fastest) put the pairs that share an expert on the same weight tile at the same time, so at
+    batch > 1 their re-reads mostly hit L2. Pairs whose routing weight is exactly 0 (the expert-parallel wrapper
+    routes other ranks' pairs to local expert 0 with weight 0) read no weights.
+
+Sorted path (prefill / large batches; grouped tensor-core GEMMs)::
+
+    align     the pairs sorted by expert (stable), each expert's run padded to BLOCK_M rows;
               sorted_ids [n_blocks_max * BLOCK_M] (pad = T*K), block_expert [n_blocks_max] (unused block = E).
-              Pure tensor ops, no host sync (CUDA-graph safe): n_blocks_max = cdiv(T*K, BLOCK_M) + min(E, T*K)
+              Pure tensor ops, no host sync: n_blocks_max = cdiv(T*K, BLOCK_M) + min(E, T*K)
               bounds sum_e cdiv(n_e, BLOCK_M); programs of unused blocks exit at once.
     gate_up   act[p] = gelu_tanh(x[p // K] @ Wg[e].T) * (x[p // K] @ Wu[e].T)     (one grouped GEMM, two
               accumulators: the gate rows [0, I) and up rows [I, 2I) of gate_up_proj[e]; act [T*K, I] pair order)
     down      y[p] = w[p] * (act[p] @ Wd[e].T)                                   (grouped GEMM, weight fused)
     combine   out[t] = sum_k y[t*K + k]                                          (deterministic, no atomics)
 
-Each program owns a BLOCK_M x BLOCK_N tile of one expert's rows, so each active expert's weights stream from
-DRAM once per step (per N tile); at decode every routed expert is read once, which is the roofline. Tiles:
-decode (T*K <= 1024) BLOCK_M 16 with narrow N tiles for SM coverage; prefill BLOCK_M 64.
+    Each program owns a BLOCK_M x BLOCK_N tile of one expert's rows, so each active expert's weights stream from
+    DRAM once per step (per N tile). Tiles: decode-sized (T*K <= 1024) BLOCK_M 16 with narrow N tiles for SM
+    coverage; prefill BLOCK_M 64.
+
 Math: bf16 (or fp32) operands, fp32 accumulation (fp32 inputs use IEEE dots, no TF32), outputs in x's dtype.
+Under ``TRITON_INTERPRET=1`` the sorted kernel upcasts its bf16 tiles to fp32 before ``tl.dot`` (``UPCAST``: the
+interpreter's bf16 dot multiplies the raw uint16 bits); the gather kernels always convert their bf16 loads to
+fp32 before any arithmetic (that is their math on the GPU too), so they need no such switch.
+Tile sizes of the gather path (``GATHER_*_TILES``) are picked for the H200 (132 SMs, memory bound) and can be
+overridden per call (``gate_up_tiles=`` / ``down_tiles=``); ``python3 -m perfkit.kernels.moe --sweep`` times
+both paths and a few tile variants on a CUDA GPU (:func:`bench_fused_moe`).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import sys
 
 import torch
 import triton
 import triton.language as tl
+
+HBM_BYTES_PER_S = 4.3e12  # achievable H200 DRAM bandwidth used for "% of bound" (as in w4a16_gemm)
+MOE_PATHS = ("auto", "gather", "sorted")
+MOE_GATHER_MAX_PAIRS = 64  # path="auto": T*K at or below this takes the gather path (to be set from the H200 sweep)
+# Gather-path tiles (H200: 132 SMs; at batch 1 gate_up runs 8 x 704/16 = 352 programs, down 2816/8 = 352; each
+# loop step has 16 KB (gate_up: gate + up rows) / 32 KB (down: 8 slots) of weight loads in flight per program).
+GATHER_GATE_UP_TILES = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4}  # BLOCK_N rows of I, BLOCK_K of H
+GATHER_DOWN_TILES = {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4}  # BLOCK_N rows of H, BLOCK_K of I
+_TILE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
 # --------------------------------------------------------------------------------------------------------------
 # Triton kernels
@@ -141,6 +188,91 @@ def _moe_gemm_kernel(
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
 
 
+@triton.jit
+def _moe_gather_gate_up_kernel(
+    x_ptr,  # [T, H] tokens
+    w_ptr,  # [E, 2I, H] gate_up_proj, rows [0, I) gate, [I, 2I) up; contiguous along H
+    act_ptr,  # [T*K, I] out, pair order, x's dtype
+    idx_ptr,  # [T*K] expert of each pair (int32 or int64)
+    topw_ptr,  # [T*K] routing weights (only tested against 0: such a pair reads no weights, act row = 0)
+    inter,
+    H,
+    top_k,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_act,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One program per (pair p, BLOCK_N rows of I): two GEMVs (gate, up) of x[p // K] with expert idx[p]."""
+    p = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    e = tl.load(idx_ptr + p).to(tl.int64)  # on the device: no host sync
+    h_live = H * (tl.load(topw_ptr + p) != 0).to(tl.int32)  # H, or 0 for a weight-0 pair (a multiple of H
+    # keeps the mask's alignment known to the compiler, so the loads stay vectorised)
+    t = p // top_k
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + t * stride_x + offs_k  # [BLOCK_K]
+    g_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    u_ptrs = g_ptrs + inter * stride_wn
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        km = offs_k < h_live - k0
+        wm = nmask[:, None] & km[None, :]
+        xv = tl.load(x_ptrs, mask=km, other=0.0).to(tl.float32)[None, :]
+        acc_g += tl.load(g_ptrs, mask=wm, other=0.0).to(tl.float32) * xv
+        acc_u += tl.load(u_ptrs, mask=wm, other=0.0).to(tl.float32) * xv
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    a = _gelu_tanh_f32(tl.sum(acc_g, axis=1)) * tl.sum(acc_u, axis=1)  # [BLOCK_N]
+    tl.store(act_ptr + p * stride_act + offs_n, a.to(act_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _moe_gather_down_kernel(
+    act_ptr,  # [T*K, I] gate_up output, pair order
+    w_ptr,  # [E, H, I] down_proj; contiguous along I
+    out_ptr,  # [T, H] out, x's dtype
+    idx_ptr,  # [T*K] expert of each pair (int32 or int64)
+    topw_ptr,  # [T*K] routing weights (any float dtype; math in fp32)
+    H,
+    inter,
+    stride_act,
+    stride_we,
+    stride_wn,
+    stride_out,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One program per (token t, BLOCK_N rows of H): out[t, n] = sum_k w[t, k] * act[t*K + k] . Wd[e_k][n].
+
+    The K slots are unrolled inside the loop over I, so one loop step issues K independent weight-tile loads;
+    the slots are added into one fp32 accumulator in slot order (deterministic), reduced once, stored once."""
+    t = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K], expert 0
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        for k in tl.static_range(TOP_K):
+            p = t * TOP_K + k
+            e = tl.load(idx_ptr + p).to(tl.int64)
+            wt = tl.load(topw_ptr + p).to(tl.float32)
+            m = offs_k < inter * (wt != 0).to(tl.int32) - k0  # weight 0: reads nothing, adds 0
+            a = tl.load(act_ptr + p * stride_act + k0 + offs_k, mask=m, other=0.0).to(tl.float32) * wt
+            wv = tl.load(w_rows + e * stride_we + k0, mask=nmask[:, None] & m[None, :], other=0.0).to(tl.float32)
+            acc += wv * a[None, :]
+    tl.store(out_ptr + t * stride_out + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=nmask)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------------------------
@@ -200,32 +332,93 @@ def _fit(t: dict[str, int], n: int, kd: int) -> dict[str, int]:
     return t
 
 
-def fused_moe(
+def select_moe_path(num_pairs: int, path: str = "auto") -> str:
+    """The path :func:`fused_moe` takes for ``num_pairs`` = T*K (token, slot) pairs: "gather" or "sorted"."""
+    if path not in MOE_PATHS:
+        raise ValueError(f"path {path!r} must be one of {', '.join(repr(p) for p in MOE_PATHS)}")
+    if path != "auto":
+        return path
+    return "gather" if num_pairs <= MOE_GATHER_MAX_PAIRS else "sorted"
+
+
+def _gather_tiles(default: dict[str, int], override: dict[str, int] | None, n: int, kd: int) -> dict[str, int]:
+    """Default tiles with a per-call override merged in, then shrunk for small problems (tests)."""
+    t = dict(default)
+    if override:
+        bad = sorted(set(override) - set(_TILE_KEYS))
+        if bad:
+            raise ValueError(f"unknown tile keys {bad}; allowed: {', '.join(_TILE_KEYS)}")
+        t.update(override)
+    for key in ("BLOCK_N", "BLOCK_K"):
+        v = t[key]
+        if not (isinstance(v, int) and v > 0 and v & (v - 1) == 0):
+            raise ValueError(f"{key} {v!r} must be a power of 2")
+    t["BLOCK_N"] = min(t["BLOCK_N"], triton.next_power_of_2(n))
+    t["BLOCK_K"] = min(t["BLOCK_K"], triton.next_power_of_2(kd))
+    return t
+
+
+def _gather_gate_up(
+    x: torch.Tensor, w_gate_up: torch.Tensor, idx: torch.Tensor, topw: torch.Tensor, top_k: int, tiles: dict
+) -> torch.Tensor:
+    """x [T, H], w_gate_up [E, 2I, H], idx / topw [T*K] -> act [T*K, I] (x's dtype). ``tiles`` already fitted."""
+    P, inter, H = idx.numel(), w_gate_up.shape[1] // 2, x.shape[1]
+    act = torch.empty((P, inter), dtype=x.dtype, device=x.device)
+    _moe_gather_gate_up_kernel[(P, triton.cdiv(inter, tiles["BLOCK_N"]))](
+        x, w_gate_up, act, idx, topw, inter, H, top_k,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), **tiles,
+    )  # fmt: skip
+    return act
+
+
+def _gather_down(
+    act: torch.Tensor,
+    w_down: torch.Tensor,
+    idx: torch.Tensor,
+    topw: torch.Tensor,
+    top_k: int,
+    tiles: dict,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """act [T*K, I], w_down [E, H, I], idx / topw [T*K] -> out [T, H] (``dtype``). ``tiles`` already fitted."""
+    T, H, inter = idx.numel() // top_k, w_down.shape[1], w_down.shape[2]
+    out = torch.empty((T, H), dtype=dtype, device=act.device)
+    _moe_gather_down_kernel[(T, triton.cdiv(H, tiles["BLOCK_N"]))](
+        act, w_down, out, idx, topw, H, inter,
+        act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), TOP_K=top_k, **tiles,
+    )  # fmt: skip
+    return out
+
+
+def _fused_moe_gather(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     topk_w: torch.Tensor,
     topk_idx: torch.Tensor,
-    *,
+    gate_up_tiles: dict[str, int] | None = None,
+    down_tiles: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Decode path: two kernels, no align / sort, no separate combine (see module doc)."""
+    H, inter, K = x.shape[1], w_down.shape[2], topk_idx.shape[1]
+    idx = topk_idx.reshape(-1).contiguous()  # [T*K]; a view of a contiguous [T, K] (no launch); a strided
+    topw = topk_w.reshape(-1).contiguous()  # slice (w[:, :1] reshapes to a stride-K view) is copied
+    act = _gather_gate_up(x, w_gate_up, idx, topw, K, _gather_tiles(GATHER_GATE_UP_TILES, gate_up_tiles, inter, H))
+    return _gather_down(act, w_down, idx, topw, K, _gather_tiles(GATHER_DOWN_TILES, down_tiles, H, inter), x.dtype)
+
+
+def _fused_moe_sorted(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_w: torch.Tensor,
+    topk_idx: torch.Tensor,
     block_m: int | None = None,
 ) -> torch.Tensor:
-    """Routed GeGLU experts: x [T, H], w_gate_up [E, 2I, H] (gate rows first), w_down [E, H, I],
-    topk_w [T, K] (applied to each expert's output), topk_idx [T, K] -> [T, H] in x's dtype."""
+    """Prefill path: align (sort by expert), grouped gate_up and down GEMMs, combine (see module doc)."""
     T, H = x.shape
-    E, two_i, H2 = w_gate_up.shape
-    inter = two_i // 2
-    if H2 != H or w_down.shape != (E, H, inter) or topk_idx.shape != topk_w.shape or topk_idx.shape[0] != T:
-        raise ValueError(
-            f"shapes: x {tuple(x.shape)}, gate_up {tuple(w_gate_up.shape)}, down {tuple(w_down.shape)}, "
-            f"w {tuple(topk_w.shape)}, idx {tuple(topk_idx.shape)}"
-        )
-    K = topk_idx.shape[1]
+    E, inter, K = w_gate_up.shape[0], w_down.shape[2], topk_idx.shape[1]
     P = T * K
-    if P == 0:
-        return torch.zeros_like(x)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    w_gate_up = w_gate_up.contiguous()
-    w_down = w_down.contiguous()
     t1, t2 = _fit(_tiles(P, "gate_up"), inter, H), _fit(_tiles(P, "down"), H, inter)
     bm = block_m or t1["BLOCK_M"]
     t1["BLOCK_M"] = t2["BLOCK_M"] = bm
@@ -247,6 +440,45 @@ def fused_moe(
         A_BY_TOKEN=False, GELU_MUL=False, MUL_W=True, DOT_PRECISION=prec, UPCAST=upcast, **t2,
     )  # fmt: skip
     return y.view(T, K, H).sum(dim=1)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_w: torch.Tensor,
+    topk_idx: torch.Tensor,
+    *,
+    path: str = "auto",
+    block_m: int | None = None,
+    gate_up_tiles: dict[str, int] | None = None,
+    down_tiles: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Routed GeGLU experts: x [T, H], w_gate_up [E, 2I, H] (gate rows first), w_down [E, H, I],
+    topk_w [T, K] (applied to each expert's output), topk_idx [T, K] (int32 or int64, each in [0, E): not
+    checked, a check would sync) -> [T, H] in x's dtype.
+
+    path: "auto" (gather when T*K <= ``MOE_GATHER_MAX_PAIRS``, else sorted), "gather" or "sorted" (module doc).
+    block_m: the sorted path's rows per expert block. gate_up_tiles / down_tiles: the gather path's tiles,
+    any of {BLOCK_N, BLOCK_K (powers of 2), num_warps, num_stages} over ``GATHER_GATE_UP_TILES`` /
+    ``GATHER_DOWN_TILES`` (for sweeps)."""
+    chosen = select_moe_path(topk_idx.numel(), path)
+    T, H = x.shape
+    E, two_i, H2 = w_gate_up.shape
+    inter = two_i // 2
+    if H2 != H or w_down.shape != (E, H, inter) or topk_idx.shape != topk_w.shape or topk_idx.shape[0] != T:
+        raise ValueError(
+            f"shapes: x {tuple(x.shape)}, gate_up {tuple(w_gate_up.shape)}, down {tuple(w_down.shape)}, "
+            f"w {tuple(topk_w.shape)}, idx {tuple(topk_idx.shape)}"
+        )
+    if T * topk_idx.shape[1] == 0:
+        return torch.zeros_like(x)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w_gate_up = w_gate_up.contiguous()
+    w_down = w_down.contiguous()
+    if chosen == "gather":
+        return _fused_moe_gather(x, w_gate_up, w_down, topk_w, topk_idx, gate_up_tiles, down_tiles)
+    return _fused_moe_sorted(x, w_gate_up, w_down, topk_w, topk_idx, block_m)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -292,24 +524,166 @@ def fused_moe_traffic(
     top_k: int,
     elt_bytes: int = 2,
     active_experts: int | None = None,
+    path: str = "auto",
 ) -> dict[str, int]:
-    """Minimum DRAM bytes and FLOPs of :func:`fused_moe` (routing metadata, O(T K) int32, left out).
+    """Minimum DRAM bytes and FLOPs of :func:`fused_moe` on ``path`` ("auto": the one it would take for T*K
+    pairs; routing metadata, O(T K) int32 / fp32, left out).
 
-    Weights: every active expert's gate_up [2I, H] and down [H, I] once (``active_experts`` default: the
-    uniform-routing expectation, rounded). Activations: x [T, H] read, act [T K, I] written + read, y [T K, H]
-    written + read, out [T, H] written. FLOPs: 2 T K H (2I) + 2 T K I H (+ ~10 per act element for the gelu-mul).
+    Weights (both paths): every distinct active expert's gate_up [2I, H] and down [H, I] once (``active_experts``
+    default: the uniform-routing expectation, rounded). Activations, sorted path: x [T, H] read, act [T K, I]
+    written + read, y [T K, H] written + read, out [T, H] written. Gather path: x read, act written + read, out
+    written (the down kernel applies the routing weight and sums the K slots itself: no y).
+    At batch > 1 the gather path re-reads an expert's weights once per pair routed to it; those re-reads are
+    served by L2 when hot (the pairs sharing an expert stream the same tiles at about the same time), so the
+    minimum above holds while they hit; ``gather_weight_bytes`` = T K x 3 I H x elt_bytes is the worst case
+    (every pair's expert from DRAM). FLOPs: 2 T K H (2I) + 2 T K I H (+ ~10 per act element for the gelu-mul,
+    + 2 per output element for the weight and combine).
     """
-    a = round(expected_active_experts(tokens, num_experts, top_k)) if active_experts is None else active_experts
     P = tokens * top_k
+    chosen = select_moe_path(P, path)
+    a = round(expected_active_experts(tokens, num_experts, top_k)) if active_experts is None else active_experts
     weights = a * 3 * inter * hidden * elt_bytes
-    read = weights + tokens * hidden * elt_bytes + P * inter * elt_bytes + P * hidden * elt_bytes
-    written = P * inter * elt_bytes + P * hidden * elt_bytes + tokens * hidden * elt_bytes
+    y = 0 if chosen == "gather" else P * hidden * elt_bytes  # per-pair outputs, written + read (sorted only)
+    read = weights + tokens * hidden * elt_bytes + P * inter * elt_bytes + y
+    written = P * inter * elt_bytes + y + tokens * hidden * elt_bytes
     flops = 6 * P * hidden * inter + 10 * P * inter + 2 * P * hidden
     return {
         "weight_bytes": weights,
+        "gather_weight_bytes": P * 3 * inter * hidden * elt_bytes,
         "bytes_read": read,
         "bytes_written": written,
         "total_bytes": read + written,
         "flops": flops,
         "active_experts": a,
     }
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GPU benchmark and sweep
+# --------------------------------------------------------------------------------------------------------------
+
+# Gather-path tile variants timed by the sweep: (gate_up tiles, down tiles). At batch 1 (P = 8): "default"
+# 352 + 352 programs, "narrow" 704 + 704 (more programs, less in flight each), "wide" 176 + 176 (8 warps).
+GATHER_VARIANTS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
+    "default": (GATHER_GATE_UP_TILES, GATHER_DOWN_TILES),
+    "narrow": ({"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4}, {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4}),
+    "wide": ({"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 8}, {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 8}),
+}
+SWEEP_TOKENS = (1, 2, 4, 8, 16, 64)
+
+
+def _graph_ms(fn) -> float:
+    """Median ms of ``fn`` captured in a CUDA graph (no host launch gaps), L2 flushed between replays."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return triton.testing.do_bench(g.replay, return_mode="median")
+
+
+def bench_fused_moe(
+    T: int,
+    path: str = "auto",
+    H: int = 2816,
+    I: int = 704,  # noqa: E741 (the spec's name)
+    E: int = 128,
+    K: int = 8,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    gate_up_tiles: dict[str, int] | None = None,
+    down_tiles: dict[str, int] | None = None,
+    seed: int = 0,
+    device: str = "cuda",
+) -> dict:
+    """GPU timing of one MoE layer's experts (:func:`fused_moe`, random weights, softmax top-K routing of random
+    logits): median ms of eager calls (triton.testing.do_bench, L2 flushed between reps: includes host launch
+    gaps where the host is slower than the GPU) and of CUDA-graph replays (``graph_ms``: the decode step's
+    setting); the bandwidth bound (minimum traffic of the path taken, with this routing's distinct experts, over
+    ``HBM_BYTES_PER_S``) and the % of it reached; the error against the fp32 reference. Gather path: also each
+    kernel alone (``gate_up_ms`` / ``down_ms``, with their own bounds), so tiles can be chosen per kernel."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("bench_fused_moe needs CUDA")
+    chosen = select_moe_path(T * K, path)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(T, H, device=device, generator=gen).to(dtype)
+    gu = torch.randn(E, 2 * I, H, device=device, generator=gen, dtype=dtype).mul_(0.02)
+    dn = torch.randn(E, H, I, device=device, generator=gen, dtype=dtype).mul_(0.02)
+    w, idx = moe_routing(torch.randn(T, E, device=device, generator=gen), K, torch.ones(E, device=device))
+    kw = {"path": path, "gate_up_tiles": gate_up_tiles, "down_tiles": down_tiles}
+
+    def fn():
+        return fused_moe(x, gu, dn, w, idx, **kw)
+
+    out, ref = fn().float(), fused_moe_ref(x, gu, dn, w, idx).float()
+    rel = ((out - ref).norm() / ref.norm()).item()
+    ms = triton.testing.do_bench(fn, return_mode="median")
+    graph_ms = _graph_ms(fn)
+    a = idx.unique().numel()
+    elt = x.element_size()
+    t = fused_moe_traffic(T, H, I, E, K, elt, active_experts=a, path=chosen)
+    bound = t["total_bytes"] / HBM_BYTES_PER_S * 1e3
+    res = {
+        "T": T,
+        "K": K,
+        "pairs": T * K,
+        "path": chosen,
+        "active_experts": a,
+        "median_ms": ms,
+        "graph_ms": graph_ms,
+        "bound_ms": bound,
+        "pct_of_bound": 100.0 * bound / ms,
+        "graph_pct_of_bound": 100.0 * bound / graph_ms,
+        "achieved_tb_s": t["total_bytes"] / ms / 1e9,
+        "rel_err_vs_ref": rel,
+    }
+    if chosen == "gather":  # worst case: every pair's expert from DRAM (no L2 reuse between pairs)
+        worst = t["total_bytes"] - t["weight_bytes"] + t["gather_weight_bytes"]
+        res["gather_worst_bound_ms"] = worst / HBM_BYTES_PER_S * 1e3
+        ti, tw = idx.reshape(-1).contiguous(), w.reshape(-1).contiguous()
+        t1 = _gather_tiles(GATHER_GATE_UP_TILES, gate_up_tiles, I, H)
+        t2 = _gather_tiles(GATHER_DOWN_TILES, down_tiles, H, I)
+        act = _gather_gate_up(x, gu, ti, tw, K, t1)
+        res["gate_up_tiles"], res["down_tiles"] = t1, t2
+        res["gate_up_ms"] = _graph_ms(lambda: _gather_gate_up(x, gu, ti, tw, K, t1))
+        res["down_ms"] = _graph_ms(lambda: _gather_down(act, dn, ti, tw, K, t2, x.dtype))
+        act_b, tok_b = T * K * I * elt, T * H * elt
+        res["gate_up_bound_ms"] = (a * 2 * I * H * elt + tok_b + act_b) / HBM_BYTES_PER_S * 1e3
+        res["down_bound_ms"] = (a * I * H * elt + act_b + tok_b) / HBM_BYTES_PER_S * 1e3
+    return res
+
+
+def sweep(tokens: tuple[int, ...] = SWEEP_TOKENS, file=None) -> list[dict]:
+    """One JSON line per (T, sorted | gather tile variant) for the 26B-A4B expert shapes (bf16) on this GPU."""
+    file = file or sys.stdout
+    rows = []
+    for T in tokens:
+        runs = [("sorted", "sorted", None, None)] + [("gather", v, a, b) for v, (a, b) in GATHER_VARIANTS.items()]
+        for path, variant, a, b in runs:
+            r = {"variant": variant, "device": torch.cuda.get_device_name()}
+            r |= bench_fused_moe(T, path, gate_up_tiles=a, down_tiles=b)
+            rows.append(r)
+            print(json.dumps(r), file=file, flush=True)
+    return rows
+
+
+def _main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m perfkit.kernels.moe", description="fused MoE kernel sweep")
+    ap.add_argument("--sweep", action="store_true", help="time both paths and the gather tile variants (CUDA)")
+    ap.add_argument("--tokens", default=",".join(map(str, SWEEP_TOKENS)), help="comma-separated batch sizes T")
+    args = ap.parse_args(argv)
+    if not args.sweep:
+        ap.print_help()
+        return 2
+    if not torch.cuda.is_available():
+        print("the sweep needs a CUDA GPU", file=sys.stderr)
+        return 2
+    sweep(tuple(int(t) for t in args.tokens.split(",")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
