@@ -56,6 +56,7 @@ both paths and a few tile variants on a CUDA GPU (:func:`bench_fused_moe`).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -670,11 +671,46 @@ def sweep(tokens: tuple[int, ...] = SWEEP_TOKENS, file=None) -> list[dict]:
     return rows
 
 
+def tile_sweep(tokens: tuple[int, ...] = (1, 8), file=None) -> list[dict]:
+    """Each gather kernel alone over a grid of tiles (26B-A4B shapes, bf16, CUDA-graph replays, L2 flushed): one
+    JSON line per (kernel, T, tiles), to choose GATHER_GATE_UP_TILES / GATHER_DOWN_TILES by measurement."""
+    file = file or sys.stdout
+    H, inter, E, K = 2816, 704, 128, 8
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    gu = torch.randn(E, 2 * inter, H, device="cuda", generator=gen, dtype=torch.bfloat16)
+    dn = torch.randn(E, H, inter, device="cuda", generator=gen, dtype=torch.bfloat16)
+    grid = [
+        {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for n in (4, 8, 16, 32) for k in (128, 256, 512) for w in (2, 4, 8)
+    ]
+    rows = []
+    for T in tokens:
+        x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+        w, idx = moe_routing(torch.randn(T, E, device="cuda", generator=gen), K, torch.ones(E, device="cuda"))
+        ti, tw = idx.reshape(-1).contiguous(), w.reshape(-1).contiguous()
+        act = _gather_gate_up(x, gu, ti, tw, K, _gather_tiles(GATHER_GATE_UP_TILES, None, inter, H))
+        for kernel in ("gate_up", "down"):
+            for tiles in grid:
+                if kernel == "gate_up":
+                    t = _gather_tiles(GATHER_GATE_UP_TILES, tiles, inter, H)
+                    ms = _graph_ms(functools.partial(_gather_gate_up, x, gu, ti, tw, K, t))
+                else:
+                    t = _gather_tiles(GATHER_DOWN_TILES, tiles, H, inter)
+                    ms = _graph_ms(functools.partial(_gather_down, act, dn, ti, tw, K, t, x.dtype))
+                r = {"kernel": kernel, "T": T, "tiles": t, "graph_us": round(ms * 1e3, 2)}
+                rows.append(r)
+                print(json.dumps(r), file=file, flush=True)
+    return rows
+
+
 def _main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m perfkit.kernels.moe", description="fused MoE kernel sweep")
     ap.add_argument("--sweep", action="store_true", help="time both paths and the gather tile variants (CUDA)")
+    ap.add_argument("--tiles", action="store_true", help="time each gather kernel over a grid of tiles (CUDA)")
     ap.add_argument("--tokens", default=",".join(map(str, SWEEP_TOKENS)), help="comma-separated batch sizes T")
     args = ap.parse_args(argv)
+    if args.tiles and torch.cuda.is_available():
+        tile_sweep()
+        return 0
     if not args.sweep:
         ap.print_help()
         return 2

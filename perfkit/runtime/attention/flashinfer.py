@@ -34,17 +34,17 @@ from perfkit.runtime.attention.torch_paged import kv_write_target, write_layer_k
 from perfkit.runtime.kv_cache import SLIDING_POOL, PagedKVCache
 from perfkit.runtime.page_table import AttentionMetadata
 
-TENSOR_CORE_MAX_BATCH = 8  # small-group pools use tensor-core decode up to this batch (measured, see below)
+TENSOR_CORE_MAX_BATCH = 1  # small-group pools use tensor-core decode up to this batch (measured, see below)
 
 
 def default_use_tensor_cores(num_heads: int, num_kv_heads: int, batch_size: int) -> bool:
     """Tensor-core decode (FlashInfer's FA2 prefill kernels) or its CUDA-core decode kernel, chosen by measurement.
 
-    ``perfkit kernels attention`` on the H200 (docs/h200-runs/2026-12-01b/1-attention-*.json, L2-cold graphs):
+    ``perfkit kernels attention`` on the H200 (docs/h200-runs/2026-12-01b/{1,2}-attention-*.json, L2-cold graphs):
     with a GQA group >= 4 (the hd512 full pools) tensor cores win at every batch, 2-2.6x (31B b64 kv4096 555 vs
-    1408 us). The group-2 sliding pools (hd256) win with tensor cores at batch 1 (31B 13.7 vs 16.2 us, 26B-A4B
-    11.4 vs 14.8 us) and not from batch 16 on (31B b16 75.6 vs 76.0, b64 284 vs 267 us; 26B b16 46.6 vs 42.5 us),
-    so small batches take tensor cores. (flashinfer.md's rule of thumb was the group alone.)
+    1408 us). The group-2 sliding pools (hd256) win with tensor cores only at batch 1 (31B 13.7 vs 16.2 us, 26B-A4B
+    11.4 vs 14.8 us); from batch 2 on the CUDA-core kernel is faster (31B b2 18.7 vs 20.5, b4 27.0 vs 30.4, b8 45.8
+    vs 49.6, b64 267 vs 284 us; 26B b16 42.5 vs 46.6 us). (flashinfer.md's rule of thumb was the group alone.)
     """
     return num_heads // num_kv_heads >= 4 or batch_size <= TENSOR_CORE_MAX_BATCH
 
