@@ -30,13 +30,14 @@ def git_info(root: Path | None = None) -> dict[str, Any]:
             return None
         return out.stdout.strip() if out.returncode == 0 else None
 
+    # a copy of the tree (a container, a remote GPU machine) may have no .git, or a stale one that does not
+    # match the files: the launcher that made the copy passes the commit along, and it wins
+    env_sha = os.environ.get("PERFKIT_GIT_SHA")
+    if env_sha:
+        return {"sha": env_sha, "short": env_sha[:10], "dirty": os.environ.get("PERFKIT_GIT_DIRTY") == "1",
+                "source": "PERFKIT_GIT_SHA"}  # fmt: skip
     sha = git("rev-parse", "HEAD")
     if sha is None:
-        # a copy without .git (a container, a remote GPU machine): the launcher may pass the commit along
-        env_sha = os.environ.get("PERFKIT_GIT_SHA")
-        if env_sha:
-            return {"sha": env_sha, "short": env_sha[:10], "dirty": os.environ.get("PERFKIT_GIT_DIRTY") == "1",
-                    "source": "PERFKIT_GIT_SHA"}
         return {"sha": None, "dirty": None}
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"sha": sha, "short": sha[:10], "dirty": bool(status)}

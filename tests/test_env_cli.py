@@ -68,3 +68,14 @@ def test_toggles_lists_every_toggle():
     assert res.exit_code == 0
     for name in ("mask", "page_table", "mm_embed_cache", "cuda_graphs", "attention"):
         assert name in res.output
+
+
+def test_launcher_commit_wins_over_a_stale_git(monkeypatch):
+    """A copy of the tree sent to a GPU machine may carry an old .git: PERFKIT_GIT_SHA names the real commit."""
+    from perfkit.provenance import git_info
+
+    monkeypatch.setenv("PERFKIT_GIT_SHA", "0123456789abcdef")
+    monkeypatch.setenv("PERFKIT_GIT_DIRTY", "1")
+    assert git_info() == {"sha": "0123456789abcdef", "short": "0123456789", "dirty": True, "source": "PERFKIT_GIT_SHA"}
+    monkeypatch.delenv("PERFKIT_GIT_SHA")
+    assert git_info().get("source") is None

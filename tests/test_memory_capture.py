@@ -198,3 +198,12 @@ def test_profile_window_python_host_summary(tmp_path):
     assert any("busy" in n for n in names)
     row = next(t for t in s["top"] if "(busy)" in t["function"])
     assert row["calls_per_step"] == 1.0  # busy() ran twice inside the 2-step window
+
+
+def test_kernel_kinds_of_our_triton_gemms():
+    from perfkit.capture.profiler import kernel_kind
+
+    assert kernel_kind("_moe_gather_gate_up_kernel") == "gemm"  # a GEMV over gathered experts, not a copy
+    assert kernel_kind("_w4a16_gemv_kernel") == "gemm"
+    assert kernel_kind("_sandwich_kernel") == "triton"
+    assert kernel_kind("void at::native::index_elementwise_kernel<128, 4>") == "copy"

@@ -34,7 +34,7 @@ ProfileKind = Literal["torch", "cuda", "python", "none"]
 # Triton kernels (plain Python names starting with "_").
 _KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("batchdecode", "batchprefill", "flashinfer", "mergestate", "merge_state")),
-    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "_w4a16", "_fp8", "matmul", "cublas")),
+    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "_w4a16", "_fp8", "_moe_gather", "matmul", "cublas")),
     ("copy", ("memcpy", "memset", "copy", "index", "gather", "scatter", "cat")),
 )
 
