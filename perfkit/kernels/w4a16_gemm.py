@@ -1,4 +1,4 @@
-"""W4A16 GEMM for NVFP4 weights: ``y = x @ dequant(W)^T`` with the dequantisation inside the kernel.
+"""W4A16 GEMM for NVFP4 weights: ``y = x @ dequant(W)^T``, the weights staying 4-bit in memory.
 
 Weight format (NVIDIA ModelOpt NVFP4 checkpoint layout, per linear layer of shape [N, K]):
 
@@ -9,34 +9,58 @@ Weight format (NVIDIA ModelOpt NVFP4 checkpoint layout, per linear layer of shap
 
 ``dequant(W)[n, k] = e2m1(code[n, k]) * float(weight_scale[n, k // 16]) * weight_scale_2[n]``.
 
-Kernel design (one kernel, two fixed tile families chosen by M, no autotune):
+Decoding (all paths): the packed row is read as int32 words, 8 codes per word (code j at bits 4j..4j+3 = element
+8w + j: little-endian bytes). Codes j and j + 4 of a word sit 16 bits apart, so one shift and two masks place both
+as fp16 fields at once: ``(a & 0x80008000) | ((a >> 3) & 0x0E000E00)`` with ``a = word << (12 - 4j)`` is two
+fp16 whose values are ``e2m1 * 2^-14`` (subnormal fp16 for the codes 0/1, which the fp16 -> fp32 conversion
+keeps exact). The e4m3 block scale, read as raw bytes, becomes an fp16 the same way (``(b & 0x7f) << 7`` =
+``e4m3 * 2^-8``). ``e2m1 * e4m3`` has at most 6 significant bits and lies in [2^-10, 2688], so it is exact in
+fp32, bf16 and fp16: the dequantised tile is exact and the only roundings are fp32 accumulation, the global scale
+(per output column, in the epilogue, as vLLM/ModelOpt's ``alpha``) and the output cast.
 
-- Unpacking without interleaving: the packed tile is split into its low nibbles (even k) and high nibbles (odd
-  k), and the activation tile is loaded as its even and odd columns, so ``acc += x_even @ w_lo + x_odd @ w_hi``
-  (two ``tl.dot`` with K/2 each) and no nibble interleave / join is needed.
-- e2m1 -> float by bit placement: ``(code & 8) << 12 | (code & 7) << 9`` is an fp16 whose value is
-  ``e2m1 * 2^-14`` (subnormal fp16 for the codes 0/1, which the fp16 -> fp32 conversion keeps exact). The e4m3
-  block scale, read as raw bytes, becomes an fp16 the same way: ``(b & 0x7f) << 7`` = ``e4m3 * 2^-8``. The
-  product times 2^22 is exact in fp32 and has at most 6 significant bits, so the tile cast to bf16 for the
-  tensor-core dot is exact: the only rounding is fp32 accumulation, then the global scale (per column, in the
-  epilogue, as vLLM/ModelOpt's ``alpha``) and the output cast.
-- Block scale broadcast: one scale per 8 packed bytes of a row; the [BK/16, BN] scale tile is broadcast over
-  a [BK/16, 8, BN] view of the dequantised half-tile (``tl.reshape``); ``scale_mode="gather"`` is a fallback that
-  reads one scale per packed byte instead (redundant, L1-served loads).
-- Decode (M <= 16): BLOCK_M = 16 (the minimum dot M), wide BLOCK_N and long BLOCK_K, split-K so that the grid
-  covers ~2 waves of SMs; fp32 partials [S, M, N] are summed in torch (deterministic; S*M*N*4 bytes, small
-  next to the weight). Memory-bound: the target is the traffic below over the DRAM bandwidth.
-- Prefill (M > 16): 64/128-row tiles, no split-K, tensor-core dots on the dequantised tiles.
+Three paths (``path=``; ``"auto"`` picks by M with ``GEMV_MAX_M`` / ``DEQUANT_MM_MIN_M``, best guesses until
+the H200 sweep, ``python3 -m perfkit.kernels.w4a16_gemm --sweep``, sets them):
 
-``w4a16_gemm_ref`` dequantises in torch and multiplies in fp32. ``w4a16_gemm_traffic`` gives the minimum DRAM
-bytes and the FLOPs. On CPU the kernel runs under ``TRITON_INTERPRET=1`` (set before importing triton).
+- ``gemv`` (decode, M <= GEMV_MAX_M; also the MoE gathered path): CUDA cores, no ``tl.dot``. A program owns
+  BLOCK_N weight rows and streams their K: per step a [BLOCK_N, BLOCK_K/16, 2] tile of words (one 16-element
+  scale group = 2 contiguous words = 8 bytes per thread: coalesced 64-bit loads), the next step's tile already in
+  flight (register double buffer). The tile is decoded once per step into its 8 code planes [BLOCK_N,
+  BLOCK_K/16, 2], each multiplied with x's matching elements (loads of [1, BLOCK_K/16, 2], broadcast; fp32 FMA)
+  and summed over the group's 16 elements first; then the [BLOCK_N, BLOCK_K/16] group sums times the block scales
+  (16x fewer scale multiplies than per element) accumulate per group, and the reduction over groups and the
+  global scale come once, in the epilogue. Up to BLOCK_M = 4 rows of x per program reuse each decoded tile (the
+  weight is read once per 4 rows; more rows are more programs on the same weight tile, launched next to each other
+  so the re-read hits L2). Cost on sm_90 (SASS of the compiled loop): ~5.9 instructions per weight element at
+  M = 1, i.e. an issue-rate ceiling of roughly 65-75 % of the H200's DRAM bound at 1.75-1.98 GHz; each extra row
+  adds ~2 per element (its FMA, x loads and conversions), which is why larger M goes to the tensor cores. Split-K only when
+  the grid has fewer than GEMV_MIN_PROGRAMS_PER_SM programs per SM: fp32 partials [S, M, N] summed in a fixed
+  order by one small kernel (deterministic, no atomics).
+- ``dot`` (M between): the same decoded planes, times their block scales, joined in-thread into an exact fp32
+  [BLOCK_N, BLOCK_K] tile in K order (the scales broadcast as [BLOCK_N, BLOCK_K/16, 1]: no reshape), cast to x's
+  dtype and fed to a tensor-core ``tl.dot`` (fp32 accumulate; BLOCK_M >= 64 compiles to wgmma with the tile staged
+  through shared memory, ~6.7-7.8 instructions per weight element per row tile, no spills); the x tiles and words
+  are cp.async-pipelined (num_stages). Grouped launch order (GROUP_M row tiles per weight tile) for L2 reuse,
+  split-K as above. ``scale_mode="gather"`` loads one scale per word instead of broadcasting (an A/B fallback;
+  same result).
+- ``dequant_mm`` (prefill, M >= DEQUANT_MM_MIN_M): one Triton pass writes the exact ``e2m1 * e4m3`` weights in x's
+  dtype to a scratch [N, K] (reads 0.56 B, writes 2 B per element: ~70 µs for 21504 x 5376 on an H200), then
+  cuBLAS multiplies (fp32 output) and one elementwise op applies the global scale and casts. Large M is
+  compute-bound, where cuBLAS's tiles beat an in-kernel dequantising GEMM; the scratch costs N*K*2 bytes
+  (0.46 GB for the 31B fused gate/up projection) while the call runs.
+
+``w4a16_gemm_ref`` (dequantise in torch, fp32 matmul) is the single source of truth; ``w4a16_gemm_traffic`` gives
+the minimum DRAM bytes and FLOPs. On CPU the kernels run under ``TRITON_INTERPRET=1`` (set before importing
+triton), where the dot path multiplies in fp32 (the interpreter's bf16 ``tl.dot`` is wrong).
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import math
 import os
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
 
 import torch
 import triton
@@ -48,17 +72,24 @@ FP8_E4M3_MAX = 448.0
 BLOCK_SIZE = 16  # NVFP4 elements per block scale
 HBM_BYTES_PER_S = 4.3e12  # achievable H200 DRAM bandwidth used for "% of bound"
 
-# --------------------------------------------------------------------------------------------------------------
-# Triton kernel
-# --------------------------------------------------------------------------------------------------------------
+PATHS = ("auto", "gemv", "dot", "dequant_mm")
+SCALE_MODES = ("broadcast", "gather", "reshape")  # "reshape": the old name of "broadcast"
+# path="auto": gemv for M <= GEMV_MAX_M, dequant_mm for M >= DEQUANT_MM_MIN_M, dot in between. Best guesses from
+# sm_90 SASS counts, not measured (set them from the H200 sweep's "best_path" lines): gemv costs ~5.9 instructions
+# per weight element at M=1 and ~2 more per extra row, the dot path ~7 per element per row tile whatever M (so
+# the gemv/dot crossover may be as low as M=2); dequant_mm pays a fixed ~70 us dequantisation of a 21504 x 5376
+# weight, which the dot path's per-row-tile decode overtakes at a few hundred rows.
+GEMV_MAX_M = 4
+DEQUANT_MM_MIN_M = 256
+GEMV_MAX_ROWS = 4  # rows of x per gemv program (BLOCK_M is capped here and at M's next power of two)
+GEMV_MIN_PROGRAMS_PER_SM = 2  # below this many programs per SM the gemv / dot paths split K
+MAX_SPLIT_K = 8
+DOT_GROUP_M = 8  # dot path: row tiles launched together per weight tile
+INLINE_ASM_CVT = True  # GPU: convert decoded fp16 pairs with inline PTX (False: the interpreter's pure-Triton ops)
 
-
-@triton.jit
-def _e2m1_times_2m14(code):
-    """uint8 nibble (0..15) -> fp32 e2m1 value * 2^-14, via fp16 bit placement (exact)."""
-    c = code.to(tl.int16)
-    bits = ((c & 8) << 12) | ((c & 7) << 9)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+# --------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -69,18 +100,95 @@ def _e4m3_times_2m8(b):
 
 
 @triton.jit
-def _w4a16_gemm_kernel(
-    x_ptr,  # [M, K] bf16/fp16/fp32 activations
-    w_ptr,  # [N, K/2] uint8 packed e2m1
-    s_ptr,  # [N, K/16] uint8 (raw e4m3fn bytes)
-    gs_ptr,  # fp32 global scale: [1] (gs_stride 0) or [N] (gs_stride 1)
-    out_ptr,  # [M, N] output dtype, or [SPLIT_K, M, N] fp32 partials
-    eid_ptr,  # PER_ROW_EXPERT: [M] expert id of each row (weights are stacked [E, ...]); else unused
+def _e2m1_decode(w, ASM: tl.constexpr):
+    """uint32 words (code j of 8 at bits 4j..4j+3) -> fp32 ``lo_j, hi_j`` = codes (j, j + 4) * 2^-14 for j = 0..3,
+    returned as lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3. Codes j and j + 4 sit 16 bits apart, so one shift and two
+    masks place both as the fp16 halves of a word; each half then converts exactly. The 4 shifted copies are
+    joined in-thread, so each op runs once for all pairs. ASM (GPU): convert both halves of a word in place
+    (without it LLVM re-pairs halves of different words first: ~8 % more SASS)."""
+    a = tl.join(tl.join(w << 12, w << 8), tl.join(w << 4, w))  # [..., 2, 2]: pair j at [..., j % 2, j // 2]
+    bits = (a & 0x80008000) | ((a >> 3) & 0x0E000E00)  # signs -> bits 15 / 31, e1 e0 m -> 11..9 / 27..25
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
+            "=r,=r,r",
+            [bits],
+            dtype=(tl.float32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        lo = (bits & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (bits >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    lo01, lo23 = tl.split(lo)
+    hi01, hi23 = tl.split(hi)
+    lo0, lo1 = tl.split(lo01)
+    lo2, lo3 = tl.split(lo23)
+    hi0, hi1 = tl.split(hi01)
+    hi2, hi3 = tl.split(hi23)
+    return lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3
+
+
+@triton.jit
+def _dequant_tile(w, sf, ASM: tl.constexpr):
+    """Words [BN, G, 2] (G scale groups of 2 words) and scale factors ``e4m3 * 2^14`` broadcastable to them
+    ([BN, G, 1] or [BN, G, 2]) -> the exact fp32 ``e2m1 * e4m3`` tile [BN, 16 G] in K order: element
+    16g + 8h + 4t + j (word h, pair j, half t) placed by joins, in-thread."""
+    lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3 = _e2m1_decode(w, ASM)
+    y0 = tl.join(lo0 * sf, hi0 * sf)  # [BN, G, 2 (h), 2 (t)]
+    y1 = tl.join(lo1 * sf, hi1 * sf)
+    y2 = tl.join(lo2 * sf, hi2 * sf)
+    y3 = tl.join(lo3 * sf, hi3 * sf)
+    f = tl.join(tl.join(y0, y2), tl.join(y1, y3))  # [BN, G, 2 (h), 2 (t), 2 (j // 2), 2 (j % 2)]
+    return tl.reshape(f, (f.shape[0], f.shape[1] * 16))
+
+
+@triton.jit
+def _gemv_tile(w_ptrs, s_ptrs, k0, k_hi, g):
+    """Words [BN, G, 2] and raw scales [BN, G] of the step at k0; zeros past k_hi (the K tail, and the prefetch
+    after the last step)."""
+    g_ok = (k0 // 16 + g) < k_hi // 16
+    w = tl.load(w_ptrs, mask=g_ok[None, :, None], other=0)
+    s = tl.load(s_ptrs, mask=g_ok[None, :], other=0)
+    return w, s
+
+
+@triton.jit
+def _gemv_row(acc, l0, h0, l1, h1, l2, h2, l3, h3, sf, xp, x_mask, x_other):
+    """acc [BN, G] + one row of x against the decoded words (``_e2m1_decode``, [BN, G, 2] each): the 16 products
+    of each group summed, times the group's scale factor ``sf`` [BN, G]. ``xp`` [1, G, 2]: pointers to x at each
+    word's code 0; the loads (fewer than 32 * num_warps elements each) are issued in the weight tile's layout, no
+    shared-memory shuffle."""
+    part = l0 * tl.load(xp, mask=x_mask, other=x_other).to(tl.float32)
+    part += h0 * tl.load(xp + 4, mask=x_mask, other=x_other).to(tl.float32)
+    part += l1 * tl.load(xp + 1, mask=x_mask, other=x_other).to(tl.float32)
+    part += h1 * tl.load(xp + 5, mask=x_mask, other=x_other).to(tl.float32)
+    part += l2 * tl.load(xp + 2, mask=x_mask, other=x_other).to(tl.float32)
+    part += h2 * tl.load(xp + 6, mask=x_mask, other=x_other).to(tl.float32)
+    part += l3 * tl.load(xp + 3, mask=x_mask, other=x_other).to(tl.float32)
+    part += h3 * tl.load(xp + 7, mask=x_mask, other=x_other).to(tl.float32)
+    return acc + tl.sum(part, axis=2) * sf
+
+
+@triton.jit
+def _gemv_store(acc, gs, out_n, row, M, stride_om, offs_n, N):
+    y = tl.sum(acc, axis=1) * gs
+    n_end = tl.where(row < M, N, 0)  # (a tensor & scalar mask trips the interpreter)
+    tl.store(out_n + row.to(tl.int64) * stride_om, y.to(out_n.dtype.element_ty), mask=offs_n < n_end)
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    x_ptr,  # [M, K] activations (bf16 / fp16 / fp32), unit stride along K
+    w_ptr,  # [N, K/8] int32: the packed weight as words (PER_ROW_EXPERT: stacked [E, N, K/8])
+    s_ptr,  # [N, K/16] uint8 raw e4m3 block scales ([E, N, K/16])
+    gs_ptr,  # fp32 global scale: [1] / [N] (gs_stride 0 / 1); PER_ROW_EXPERT: [E] / [E, N]
+    out_ptr,  # [M, N] output, or [SPLIT, M, N] fp32 partials (split-K)
+    eid_ptr,  # PER_ROW_EXPERT: [M] expert of each row; else unused
     M,
     N,
     K,
     stride_xm,
-    stride_xk,
     stride_wn,
     stride_sn,
     stride_os,
@@ -91,116 +199,321 @@ def _w4a16_gemm_kernel(
     stride_se,
     stride_ge,
     k_per_split,  # multiple of BLOCK_K
+    BLOCK_M: tl.constexpr,  # rows of x per program: 1, 2 or 4 (1 with PER_ROW_EXPERT)
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
+    PER_ROW_EXPERT: tl.constexpr,
+    ASM: tl.constexpr,  # inline-PTX fp16 -> fp32 of the decoded pairs (GPU; not the interpreter)
+):
+    pid_m = tl.program_id(0)  # fastest: the programs sharing a weight tile run together (L2)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    G: tl.constexpr = BLOCK_K // 16
+    if PER_ROW_EXPERT:  # row pid_m against its own expert's weight (MoE decode, no host sync)
+        e = tl.load(eid_ptr + pid_m).to(tl.int64)
+        s_ptr += e * stride_se
+        gs_ptr += e * stride_ge
+    m0 = pid_m * BLOCK_M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N re-read row N - 1 (not stored): no load masks
+    g = tl.arange(0, G)
+    h = tl.arange(0, 2)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    # K % 16 == 0 (so N * K / 8 words per expert is even too): rows start on 8-byte word pairs, 64-bit loads
+    if PER_ROW_EXPERT:
+        w_rows = tl.multiple_of(e * stride_we + rn * stride_wn, 2)
+    else:
+        w_rows = tl.multiple_of(rn * stride_wn, 2)  # (a "+ 0" would be folded away with the hint)
+    w_ptrs = w_ptr + w_rows[:, None, None] + (k_lo // 8 + 2 * g[:, None] + h[None, :])[None, :, :]
+    s_ptrs = s_ptr + rn[:, None] * stride_sn + (k_lo // 16 + g)[None, :]
+    x_off = (k_lo + 16 * g[:, None] + 8 * h[None, :])[None, :, :]  # [1, G, 2]: x element of each word's code 0
+    # rows past M re-read row M - 1 (not stored)
+    xp0 = x_ptr + tl.minimum(m0, M - 1).to(tl.int64) * stride_xm + x_off
+    acc0 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    if BLOCK_M > 1:
+        xp1 = x_ptr + tl.minimum(m0 + 1, M - 1).to(tl.int64) * stride_xm + x_off
+        acc1 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    if BLOCK_M > 2:
+        xp2 = x_ptr + tl.minimum(m0 + 2, M - 1).to(tl.int64) * stride_xm + x_off
+        xp3 = x_ptr + tl.minimum(m0 + 3, M - 1).to(tl.int64) * stride_xm + x_off
+        acc2 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+
+    w, s = _gemv_tile(w_ptrs, s_ptrs, k_lo, k_hi, g)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        w_ptrs += BLOCK_K // 8
+        s_ptrs += G
+        w_next, s_next = _gemv_tile(w_ptrs, s_ptrs, k0 + BLOCK_K, k_hi, g)  # in flight meanwhile
+        sf = _e4m3_times_2m8(s) * 4194304.0  # 2^22 undoes 2^-14 * 2^-8
+        l0, h0, l1, h1, l2, h2, l3, h3 = _e2m1_decode(w.to(tl.uint32, bitcast=True), ASM)  # once for all rows
+        if EVEN_K:  # no x masks (a load with other= needs a mask)
+            x_mask = None
+            x_other = None
+        else:
+            x_mask = ((k0 // 16 + g) < k_hi // 16)[None, :, None]
+            x_other = 0.0
+        acc0 = _gemv_row(acc0, l0, h0, l1, h1, l2, h2, l3, h3, sf, xp0, x_mask, x_other)
+        xp0 += BLOCK_K
+        if BLOCK_M > 1:
+            acc1 = _gemv_row(acc1, l0, h0, l1, h1, l2, h2, l3, h3, sf, xp1, x_mask, x_other)
+            xp1 += BLOCK_K
+        if BLOCK_M > 2:
+            acc2 = _gemv_row(acc2, l0, h0, l1, h1, l2, h2, l3, h3, sf, xp2, x_mask, x_other)
+            acc3 = _gemv_row(acc3, l0, h0, l1, h1, l2, h2, l3, h3, sf, xp3, x_mask, x_other)
+            xp2 += BLOCK_K
+            xp3 += BLOCK_K
+        w = w_next
+        s = s_next
+
+    gs = tl.load(gs_ptr + rn * gs_stride)
+    out_n = out_ptr + pid_k.to(tl.int64) * stride_os + offs_n.to(tl.int64) * stride_on
+    _gemv_store(acc0, gs, out_n, m0, M, stride_om, offs_n, N)
+    if BLOCK_M > 1:
+        _gemv_store(acc1, gs, out_n, m0 + 1, M, stride_om, offs_n, N)
+    if BLOCK_M > 2:
+        _gemv_store(acc2, gs, out_n, m0 + 2, M, stride_om, offs_n, N)
+        _gemv_store(acc3, gs, out_n, m0 + 3, M, stride_om, offs_n, N)
+
+
+@triton.jit
+def _w4a16_splitk_reduce_kernel(
+    part_ptr,  # [SPLIT, MN] fp32 partials
+    out_ptr,  # [MN] output
+    MN,
+    SPLIT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out = sum of the SPLIT partials, in order 0..SPLIT-1 (bit-reproducible), cast to the output dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for _ in tl.static_range(1, SPLIT):
+        part_ptr += MN  # (pointer arithmetic: no int32 overflow of i * MN)
+        acc += tl.load(part_ptr + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _w4a16_dot_kernel(
+    x_ptr,  # [M, K] activations, unit stride along K
+    w_ptr,  # [N, K/8] int32 words of the packed weight
+    s_ptr,  # [N, K/16] uint8 raw e4m3 block scales
+    gs_ptr,  # fp32 global scale [1] / [N] (gs_stride 0 / 1)
+    out_ptr,  # [M, N] output, or [SPLIT, M, N] fp32 partials
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_os,
+    stride_om,
+    stride_on,
+    gs_stride,
+    k_per_split,  # multiple of BLOCK_K
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
     GATHER_SCALES: tl.constexpr,
     IEEE: tl.constexpr,
-    PER_ROW_EXPERT: tl.constexpr,
+    ASM: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    HALF: tl.constexpr = BLOCK_K // 2
-    GROUPS: tl.constexpr = BLOCK_K // 16
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n  # grouped order: GROUP_M row tiles walk the weight tiles together (L2 reuse)
+    first_m = (pid // width) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_size
+    pid_n = (pid % width) // group_size
+    G: tl.constexpr = BLOCK_K // 16
 
-    if PER_ROW_EXPERT:  # one row per program, against its own expert's weight (MoE decode, no host sync)
-        e = tl.load(eid_ptr + pid_m).to(tl.int64)
-        w_ptr += e * stride_we
-        s_ptr += e * stride_se
-        gs_ptr += e * stride_ge
-        offs_m = pid_m + tl.arange(0, BLOCK_M)
-        m_ok = tl.arange(0, BLOCK_M) == 0
-    else:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < M
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_j = tl.arange(0, HALF)  # packed byte within the tile = element pair (2j, 2j+1)
-    offs_g = tl.arange(0, GROUPS)
-    n_ok = offs_n < N
-    num_groups = K // 16
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    rm = tl.minimum(offs_m, M - 1).to(tl.int64)  # clamped rows / columns are computed, not stored
+    rn = tl.minimum(offs_n, N - 1).to(tl.int64)
+    g = tl.arange(0, G)
+    h = tl.arange(0, 2)
+    kk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + 2 * offs_j  # even element index of each packed byte
-        k_ok = kk < K  # K is even, so kk + 1 < K too
-        # packed weight tile, transposed view [HALF, BLOCK_N]
-        w = tl.load(
-            w_ptr + offs_n[None, :] * stride_wn + (k0 // 2 + offs_j)[:, None],
-            mask=k_ok[:, None] & n_ok[None, :],
-            other=0,
-        )
-        lo = _e2m1_times_2m14(w & 0xF)
-        hi = _e2m1_times_2m14(w >> 4)
-        if GATHER_SCALES:
-            s = tl.load(
-                s_ptr + offs_n[None, :] * stride_sn + (k0 // 16 + offs_j // 8)[:, None],
-                mask=k_ok[:, None] & n_ok[None, :],
-                other=0,
-            )
-            sf = _e4m3_times_2m8(s) * 4194304.0  # 2^22 undoes 2^-14 * 2^-8
-            lo = lo * sf
-            hi = hi * sf
-        else:
-            g = k0 // 16 + offs_g
-            s = tl.load(
-                s_ptr + offs_n[None, :] * stride_sn + g[:, None],
-                mask=(g < num_groups)[:, None] & n_ok[None, :],
-                other=0,
-            )
-            sf = (_e4m3_times_2m8(s) * 4194304.0)[:, None, :]  # [GROUPS, 1, BLOCK_N]
-            lo = tl.reshape(tl.reshape(lo, (GROUPS, 8, BLOCK_N)) * sf, (HALF, BLOCK_N))
-            hi = tl.reshape(tl.reshape(hi, (GROUPS, 8, BLOCK_N)) * sf, (HALF, BLOCK_N))
-        x_rows = x_ptr + offs_m[:, None] * stride_xm
-        x_mask = m_ok[:, None] & k_ok[None, :]
-        x_even = tl.load(x_rows + kk[None, :] * stride_xk, mask=x_mask, other=0.0)
-        x_odd = tl.load(x_rows + (kk + 1)[None, :] * stride_xk, mask=x_mask, other=0.0)
-        if IEEE:  # fp32 activations, or the CPU interpreter (whose bf16 tl.dot is wrong): fp32 dot
-            acc = tl.dot(x_even.to(tl.float32), lo, acc, input_precision="ieee")
-            acc = tl.dot(x_odd.to(tl.float32), hi, acc, input_precision="ieee")
-        else:  # the tile is exact in bf16/fp16 (<= 6 significant bits): tensor-core dot, fp32 accumulate
-            acc = tl.dot(x_even, lo.to(x_even.dtype), acc)
-            acc = tl.dot(x_odd, hi.to(x_odd.dtype), acc)
+    w_rows = tl.multiple_of(rn * stride_wn, 2)  # K % 16 == 0: rows start on 8-byte word pairs (64-bit loads)
+    w_ptrs = w_ptr + w_rows[:, None, None] + (k_lo // 8 + 2 * g[:, None] + h[None, :])[None, :, :]
+    if GATHER_SCALES:  # one (redundant) scale per word: [BN, G, 2]
+        s_ptrs = s_ptr + rn[:, None, None] * stride_sn + (k_lo // 16 + g[:, None] + 0 * h[None, :])[None, :, :]
+    else:  # [BN, G], broadcast over the group's 2 words
+        s_ptrs = s_ptr + rn[:, None] * stride_sn + (k_lo // 16 + g)[None, :]
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + kk)[None, :]
 
-    gs = tl.load(gs_ptr + offs_n * gs_stride, mask=n_ok, other=0.0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            s = tl.load(s_ptrs)
+            x = tl.load(x_ptrs)
+        else:
+            g_ok = (k0 // 16 + g) < k_hi // 16
+            w = tl.load(w_ptrs, mask=g_ok[None, :, None], other=0)
+            if GATHER_SCALES:
+                s = tl.load(s_ptrs, mask=g_ok[None, :, None], other=0)
+            else:
+                s = tl.load(s_ptrs, mask=g_ok[None, :], other=0)
+            x = tl.load(x_ptrs, mask=(k0 + kk < k_hi)[None, :], other=0.0)
+        sf = _e4m3_times_2m8(s) * 4194304.0
+        if not GATHER_SCALES:
+            sf = sf[:, :, None]
+        tile = _dequant_tile(w.to(tl.uint32, bitcast=True), sf, ASM)  # [BN, BK] fp32, exact
+        if IEEE:  # fp32 activations, or the CPU interpreter (whose bf16 tl.dot is wrong): fp32 dot
+            acc = tl.dot(x.to(tl.float32), tl.trans(tile), acc, input_precision="ieee")
+        else:  # the tile is exact in x's dtype: tensor-core dot, fp32 accumulate
+            acc = tl.dot(x, tl.trans(tile.to(x.dtype)), acc)
+        w_ptrs += BLOCK_K // 8
+        s_ptrs += G
+        x_ptrs += BLOCK_K
+
+    gs = tl.load(gs_ptr + rn * gs_stride)
     acc = acc * gs[None, :]
-    out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    out = (
+        out_ptr
+        + pid_k.to(tl.int64) * stride_os
+        + offs_m[:, None].to(tl.int64) * stride_om
+        + offs_n[None, :] * stride_on
+    )
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _w4a16_dequant_kernel(
+    w_ptr,  # [N, K/8] int32 words of the packed weight
+    s_ptr,  # [N, K/16] uint8 raw e4m3 block scales
+    out_ptr,  # [N, K] bf16 / fp16 / fp32: e2m1 * e4m3 (no global scale), exact
+    N,
+    K,
+    stride_wn,
+    stride_sn,
+    stride_on,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    pid_k = tl.program_id(0)  # fastest: consecutive programs write consecutive stretches of a row block
+    pid_n = tl.program_id(1)
+    G: tl.constexpr = BLOCK_K // 16
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = tl.minimum(offs_n, N - 1).to(tl.int64)
+    g = tl.arange(0, G)
+    h = tl.arange(0, 2)
+    k0 = pid_k * BLOCK_K
+    w_rows = tl.multiple_of(rn * stride_wn, 2)  # K % 16 == 0: rows start on 8-byte word pairs (64-bit loads)
+    w_ptrs = w_ptr + w_rows[:, None, None] + (k0 // 8 + 2 * g[:, None] + h[None, :])[None, :, :]
+    s_ptrs = s_ptr + rn[:, None] * stride_sn + (k0 // 16 + g)[None, :]
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+        s = tl.load(s_ptrs)
+    else:
+        g_ok = (k0 // 16 + g) < K // 16
+        w = tl.load(w_ptrs, mask=g_ok[None, :, None], other=0)
+        s = tl.load(s_ptrs, mask=g_ok[None, :], other=0)
+    sf = (_e4m3_times_2m8(s) * 4194304.0)[:, :, None]
+    tile = _dequant_tile(w.to(tl.uint32, bitcast=True), sf, ASM)
+    kk = k0 + tl.arange(0, BLOCK_K)
+    out = out_ptr + offs_n[:, None].to(tl.int64) * stride_on + kk[None, :]
+    tl.store(out, tile.to(out_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (kk < K)[None, :])
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Launcher
+# Launchers
 # --------------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class W4A16Config:
+    """One tile of one path (no autotune: sweep them on the GPU, ``sweep_w4a16``). Sizes are powers of two.
+
+    - gemv: ``block_m`` rows of x per program (capped at GEMV_MAX_ROWS and at M's next power of two), ``block_n``
+      weight rows, ``block_k`` (>= 16) per step. Keep ``block_k <= 128 * num_warps``: then each x load has fewer
+      elements than the program has threads, and Triton issues it in the weight tile's layout (no shared-memory
+      shuffle per step).
+    - dot: ``block_m`` x ``block_n`` output tile (both >= 16), ``block_k`` (>= 16).
+    - dequant_mm: ``block_n`` x ``block_k`` of the dequantise kernel (``block_m``, ``split_k`` unused).
+
+    ``split_k``: None = chosen from the grid and the SM count (gemv, dot), 1 = never."""
+
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    split_k: int | None = None  # None: chosen from the SM count (decode) / 1 (prefill)
+    split_k: int | None = None
 
 
-DECODE_CONFIG = W4A16Config(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4)
-MID_CONFIG = W4A16Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
-PREFILL_CONFIG = W4A16Config(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, split_k=1)
+# gemv: 16 weight rows x 1024 K = 8 KB of weight per program and step (another step in flight), 96 registers
+# (sm_90, no spills, ~5.9 SASS instructions per weight element at M=1). dot: wgmma tiles (BLOCK_M >= 64), no
+# spills at 128 registers; decode-sized M wastes MMA rows, which are cheap next to the dequantisation.
+GEMV_CONFIG = W4A16Config(block_m=4, block_n=16, block_k=1024, num_warps=8, num_stages=1)
+DOT_SMALL_CONFIG = W4A16Config(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
+DOT_LARGE_CONFIG = W4A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+DOT_FP32_CONFIG = W4A16Config(block_m=64, block_n=64, block_k=32, num_warps=8, num_stages=2)  # fp32 FMA dot
+DEQUANT_CONFIG = W4A16Config(block_m=1, block_n=16, block_k=512, num_warps=4, num_stages=1)
+# The CPU interpreter runs one program at a time in Python (cost ~ programs x ops): one wide tile per problem.
+INTERPRETER_CONFIG = W4A16Config(block_m=64, block_n=256, block_k=256, num_warps=4, num_stages=1)
 
 
-def pick_config(M: int) -> W4A16Config:
-    """Fixed configs by M (no autotune): decode M <= 16, small batches M <= 64, prefill beyond."""
-    if M <= 16:
-        return DECODE_CONFIG
-    if M <= 64:
-        return MID_CONFIG
-    return PREFILL_CONFIG
+def pick_path(M: int, path: str = "auto") -> str:
+    """The path ``w4a16_gemm`` takes for M rows: ``path`` itself, or for "auto" gemv (M <= GEMV_MAX_M), dot, or
+    dequant_mm (M >= DEQUANT_MM_MIN_M)."""
+    if path not in PATHS:
+        raise ValueError(f"path {path!r}: allowed values are {', '.join(PATHS)}")
+    if path != "auto":
+        return path
+    if M <= GEMV_MAX_M:
+        return "gemv"
+    return "dequant_mm" if M >= DEQUANT_MM_MIN_M else "dot"
+
+
+def pick_config(M: int, path: str = "auto", dtype: torch.dtype = torch.bfloat16) -> W4A16Config:
+    """The fixed default tile of ``path`` (resolved by M for "auto") for activations of ``dtype``; the dot path's
+    by M: 64-row tiles up to M = 64, 128-row beyond (fp32 activations: a smaller FMA tile). Under the CPU
+    interpreter: INTERPRETER_CONFIG, clipped to the problem."""
+    path = pick_path(M, path)
+    if _interpreting():
+        return INTERPRETER_CONFIG
+    if path == "gemv":
+        return GEMV_CONFIG
+    if path == "dequant_mm":
+        return DEQUANT_CONFIG
+    if dtype == torch.float32:
+        return DOT_FP32_CONFIG
+    return DOT_SMALL_CONFIG if M <= 64 else DOT_LARGE_CONFIG
+
+
+def _validate_config(cfg: W4A16Config, path: str) -> None:
+    def pow2(v: int) -> bool:
+        return v >= 1 and v & (v - 1) == 0
+
+    lo = 16 if path == "dot" else 1
+    ok = pow2(cfg.block_n) and pow2(cfg.block_k) and cfg.block_k >= 16 and cfg.block_n >= lo
+    ok = ok and pow2(cfg.block_m) and (path != "dot" or cfg.block_m >= 16) and pow2(cfg.num_warps)
+    ok = ok and (cfg.split_k is None or cfg.split_k >= 1) and cfg.num_stages >= 1
+    if not ok:
+        raise ValueError(
+            f"bad {path} config {cfg}: block sizes must be powers of two, block_k >= 16"
+            + (", block_m and block_n >= 16" if path == "dot" else "")
+        )
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _asm() -> bool:
+    return INLINE_ASM_CVT and not _interpreting()
 
 
 @functools.lru_cache(maxsize=8)
@@ -208,14 +521,36 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _split_k(device: torch.device, tiles: int, K: int, block_k: int) -> int:
-    sms = (
-        _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-        if device.type == "cuda"
-        else 4
-    )
-    want = triton.cdiv(2 * sms, max(tiles, 1))
-    return max(1, min(want, triton.cdiv(K, block_k), 16))
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the CPU interpreter: split-K only for one-program grids (tests force it with split_k)
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _fit(cfg: W4A16Config, path: str, M: int, N: int, K: int) -> W4A16Config:
+    """The tile clipped to the problem (powers of two >= N, K; the interpreter also clips the dot path's rows):
+    no change at real model shapes, much less wasted work at the tiny ones the CPU tests run."""
+    lo = 16 if path == "dot" else 1
+    bn = min(cfg.block_n, max(lo, triton.next_power_of_2(N)))
+    bk = min(cfg.block_k, max(16, triton.next_power_of_2(K)))
+    bm = cfg.block_m
+    if path == "dot" and _interpreting():
+        bm = min(bm, max(16, triton.next_power_of_2(M)))
+    if (bm, bn, bk) == (cfg.block_m, cfg.block_n, cfg.block_k):
+        return cfg
+    return W4A16Config(bm, bn, bk, cfg.num_warps, cfg.num_stages, cfg.split_k)
+
+
+def _split_k(cfg: W4A16Config, device: torch.device, programs: int, K: int) -> tuple[int, int]:
+    """(splits, K per split): split K only while the grid has fewer than GEMV_MIN_PROGRAMS_PER_SM programs per SM."""
+    steps = triton.cdiv(K, cfg.block_k)
+    split = cfg.split_k
+    if split is None:
+        target = GEMV_MIN_PROGRAMS_PER_SM * _sm_count(device)
+        split = 1 if programs >= target else triton.cdiv(target, max(programs, 1))
+    split = max(1, min(split, steps, MAX_SPLIT_K))
+    k_per_split = triton.cdiv(steps, split) * cfg.block_k
+    return triton.cdiv(K, k_per_split), k_per_split
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> tuple[int, int, int]:
@@ -234,45 +569,156 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) ->
     return M, N, K
 
 
-def _launch(
+def _words(weight: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., N, K/2] -> int32 [..., N, K/8], the same bytes (a view when the storage offset allows)."""
+    w = weight.contiguous()
+    try:
+        return w.view(torch.int32)
+    except RuntimeError:  # storage offset not a multiple of 4 bytes
+        return w.clone().view(torch.int32)
+
+
+def _unit_k(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def _finish_split(target: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """[S, M, N] fp32 partials -> ``out`` [M, N]: one kernel, fixed summation order."""
+    split, MN = target.shape[0], out.numel()
+    block = 1024
+    _w4a16_splitk_reduce_kernel[(triton.cdiv(MN, block),)](target, out, MN, SPLIT=split, BLOCK=block, num_warps=4)
+    return out
+
+
+def _launch_gemv(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    words: torch.Tensor,
     scales: torch.Tensor,
     gs: torch.Tensor,
     gs_stride: int,
     expert_ids: torch.Tensor | None,
     out_dtype: torch.dtype,
-    config: W4A16Config | None,
-    scale_mode: str,
+    cfg: W4A16Config,
 ) -> torch.Tensor:
     M, K = x.shape
-    N = weight.shape[-2]
-    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
-    if M == 0 or N == 0:
-        return out
-    if scale_mode not in ("reshape", "gather"):
-        raise ValueError(f"scale_mode {scale_mode!r}: allowed values are reshape, gather")
-    cfg = config or pick_config(1 if expert_ids is not None else M)
+    N = words.shape[-2]
+    cfg = _fit(cfg, "gemv", M, N, K)
     per_row = expert_ids is not None
-    grid_mn = (triton.cdiv(N, cfg.block_n), M if per_row else triton.cdiv(M, cfg.block_m))
-    split = cfg.split_k or _split_k(x.device, grid_mn[0] * grid_mn[1], K, cfg.block_k)
-    k_per_split = triton.cdiv(triton.cdiv(K, split), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(K, k_per_split)
+    bm = 1 if per_row else min(cfg.block_m, GEMV_MAX_ROWS, triton.next_power_of_2(M))
+    grid_m = M if per_row else triton.cdiv(M, bm)
+    grid_n = triton.cdiv(N, cfg.block_n)
+    split, k_per_split = _split_k(cfg, x.device, grid_m * grid_n, K)
+    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
     target = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-    stride_os, stride_om, stride_on = (0, *out.stride()) if split == 1 else target.stride()
-    stride_we, stride_se, stride_ge = (weight.stride(0), scales.stride(0), gs.stride(0)) if per_row else (0, 0, 0)
-    _w4a16_gemm_kernel[(grid_mn[0], grid_mn[1], split)](
-        x, weight, scales, gs, target, expert_ids if per_row else gs,
+    stride_os = 0 if split == 1 else target.stride(0)
+    stride_we, stride_se, stride_ge = (words.stride(0), scales.stride(0), gs.stride(0)) if per_row else (0, 0, 0)
+    _w4a16_gemv_kernel[(grid_m, grid_n, split)](
+        x, words, scales, gs, target, expert_ids if per_row else gs,
         M, N, K,
-        x.stride(0), x.stride(1), weight.stride(-2), scales.stride(-2),
-        stride_os, stride_om, stride_on, gs_stride, stride_we, stride_se, stride_ge, k_per_split,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GATHER_SCALES=scale_mode == "gather", IEEE=x.dtype == torch.float32 or _interpreting(),
-        PER_ROW_EXPERT=per_row, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x.stride(0), words.stride(-2), scales.stride(-2), stride_os, N, 1,
+        gs_stride, stride_we, stride_se, stride_ge, k_per_split,
+        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
+        PER_ROW_EXPERT=per_row, ASM=_asm(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if split > 1:
-        torch.sum(target, dim=0, out=out) if out_dtype == torch.float32 else out.copy_(target.sum(dim=0))
+    return out if split == 1 else _finish_split(target, out)
+
+
+def _launch_dot(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    gs: torch.Tensor,
+    gs_stride: int,
+    out_dtype: torch.dtype,
+    cfg: W4A16Config,
+    gather_scales: bool,
+) -> torch.Tensor:
+    M, K = x.shape
+    N = words.shape[-2]
+    cfg = _fit(cfg, "dot", M, N, K)
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    split, k_per_split = _split_k(cfg, x.device, tiles, K)
+    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    target = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+    stride_os = 0 if split == 1 else target.stride(0)
+    _w4a16_dot_kernel[(tiles, split)](
+        x, words, scales, gs, target,
+        M, N, K,
+        x.stride(0), words.stride(0), scales.stride(0), stride_os, N, 1, gs_stride, k_per_split,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=DOT_GROUP_M,
+        EVEN_K=K % cfg.block_k == 0, GATHER_SCALES=gather_scales,
+        IEEE=x.dtype == torch.float32 or _interpreting(), ASM=_asm(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out if split == 1 else _finish_split(target, out)
+
+
+def _dequant_into(words: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, cfg: W4A16Config) -> torch.Tensor:
+    N, K = out.shape
+    cfg = _fit(cfg, "dequant_mm", 1, N, K)
+    grid = (triton.cdiv(K, cfg.block_k), triton.cdiv(N, cfg.block_n))
+    _w4a16_dequant_kernel[grid](
+        words, scales, out, N, K, words.stride(0), scales.stride(0), out.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, ASM=_asm(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     return out
+
+
+def dequantize_nvfp4_triton(
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+    config: W4A16Config | None = None,
+) -> torch.Tensor:
+    """uint8 [N, K/2] + e4m3 [N, K/16] -> [N, K] ``e2m1 * e4m3`` in ``dtype`` (bf16 / fp16 / fp32, exact in each),
+    without the global scale: the Triton kernel of the dequant_mm path."""
+    N, half = weight.shape
+    K = 2 * half
+    if weight.dtype != torch.uint8 or K % BLOCK_SIZE or tuple(weight_scale.shape) != (N, K // BLOCK_SIZE):
+        raise ValueError(
+            f"want uint8 [N, K/2] and [N, K/16] with K % 16 == 0, got {weight.shape}, {weight_scale.shape}"
+        )
+    cfg = config or pick_config(1, "dequant_mm")
+    _validate_config(cfg, "dequant_mm")
+    out = torch.empty((N, K), dtype=dtype, device=weight.device)
+    if N == 0 or K == 0:
+        return out
+    return _dequant_into(_words(weight), weight_scale.contiguous().view(torch.uint8), out, cfg)
+
+
+_MM_FP32_OUT = {"ok": True}  # torch.mm(..., out_dtype=torch.float32) on CUDA (torch >= 2.8); cleared if it fails
+
+
+def _mm_f32(x: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ wd [N, K]^T -> fp32 [M, N], fp32 accumulation (cuBLAS on CUDA)."""
+    if x.dtype == torch.float32:
+        return torch.mm(x, wd.t())
+    if x.is_cuda:
+        if _MM_FP32_OUT["ok"]:
+            try:
+                return torch.mm(x, wd.t(), out_dtype=torch.float32)
+            except (RuntimeError, TypeError):
+                _MM_FP32_OUT["ok"] = False
+        return torch.mm(x, wd.t()).float()  # older torch: the product is rounded to x's dtype once more
+    return torch.mm(x.float(), wd.t().float())  # CPU
+
+
+def _launch_dequant_mm(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    gs: torch.Tensor,
+    out_dtype: torch.dtype,
+    cfg: W4A16Config,
+) -> torch.Tensor:
+    N, K = words.shape[0], x.shape[1]
+    wd = _dequant_into(words, scales, torch.empty((N, K), dtype=x.dtype, device=x.device), cfg)
+    y = _mm_f32(x, wd)  # [M, N] fp32
+    del wd
+    if out_dtype == torch.float32:
+        return y.mul_(gs)
+    return torch.mul(y, gs, out=torch.empty(y.shape, dtype=out_dtype, device=x.device))  # one rounding
 
 
 def w4a16_gemm(
@@ -282,21 +728,33 @@ def w4a16_gemm(
     global_scale: torch.Tensor | float,
     out_dtype: torch.dtype | None = None,
     config: W4A16Config | None = None,
-    scale_mode: str = "reshape",
+    scale_mode: str = "broadcast",
+    path: str = "auto",
 ) -> torch.Tensor:
-    """``x [M, K] @ dequant(weight [N, K/2])^T -> [M, N]`` (format: module docstring). ``global_scale``: scalar
-    or per output row [N]. No host sync (the global scale is read on the device): CUDA-graph safe.
-    ``scale_mode``: reshape | gather (how block scales are broadcast; same result)."""
+    """``x [M, K] @ dequant(weight [N, K/2])^T -> [M, N]`` (format and paths: module docstring). ``global_scale``:
+    scalar or per output row [N]. No host sync (the global scale is read on the device): CUDA-graph safe.
+    ``path``: auto | gemv | dot | dequant_mm; ``config``: a tile of that path (default: ``pick_config``).
+    ``scale_mode`` (dot path): broadcast | gather (how block scales reach the tile; same result)."""
     M, N, K = _check(x, weight, weight_scale)
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [N, K/2], got {tuple(weight.shape)}")
+    chosen = pick_path(M, path)
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode {scale_mode!r}: allowed values are {', '.join(SCALE_MODES)}")
+    cfg = config or pick_config(M, chosen, x.dtype)
+    _validate_config(cfg, chosen)
     gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device).reshape(-1)
     if gs.numel() not in (1, N):
         raise ValueError(f"global scale must have 1 or N={N} elements, got {gs.numel()}")
-    return _launch(
-        x, weight.contiguous(), weight_scale.contiguous().view(torch.uint8), gs.contiguous(),
-        0 if gs.numel() == 1 else 1, None, out_dtype or x.dtype, config, scale_mode,
-    )  # fmt: skip
+    out_dtype = out_dtype or x.dtype
+    if M == 0 or N == 0:
+        return torch.empty((M, N), dtype=out_dtype, device=x.device)
+    x, words, scales, gs = _unit_k(x), _words(weight), weight_scale.contiguous().view(torch.uint8), gs.contiguous()
+    if chosen == "gemv":
+        return _launch_gemv(x, words, scales, gs, 0 if gs.numel() == 1 else 1, None, out_dtype, cfg)
+    if chosen == "dot":
+        return _launch_dot(x, words, scales, gs, 0 if gs.numel() == 1 else 1, out_dtype, cfg, scale_mode == "gather")
+    return _launch_dequant_mm(x, words, scales, gs, out_dtype, cfg)
 
 
 def w4a16_gemm_gathered(
@@ -309,8 +767,9 @@ def w4a16_gemm_gathered(
     config: W4A16Config | None = None,
 ) -> torch.Tensor:
     """Row r of ``x [R, K]`` times expert ``expert_ids[r]``'s weight: stacked ``weight [E, N, K/2]``,
-    ``weight_scale [E, N, K/16]``, ``global_scale [E]`` or ``[E, N]`` -> ``[R, N]``. One program per (row, N
-    tile): each row streams its expert's weight (the MoE decode path: few rows, no host sync)."""
+    ``weight_scale [E, N, K/16]``, ``global_scale [E]`` or ``[E, N]`` -> ``[R, N]``. The gemv path, one row per
+    program (``config.block_m`` unused): each row streams its expert's weight (MoE decode: few rows, no host
+    sync); all rows of an N tile are launched together, so rows that share an expert re-read its tile from L2."""
     M, N, K = _check(x, weight, weight_scale)
     E = weight.shape[0]
     if weight.dim() != 3 or expert_ids.shape != (M,):
@@ -320,15 +779,18 @@ def w4a16_gemm_gathered(
     gs = global_scale.to(device=x.device, dtype=torch.float32)
     if gs.shape == (E,):
         gs_stride = 0
-        gs = gs.contiguous()
     elif gs.shape == (E, N):
         gs_stride = 1
-        gs = gs.contiguous()
     else:
         raise ValueError(f"global_scale must be [E] or [E, N] = [{E}, {N}], got {tuple(gs.shape)}")
-    return _launch(
-        x, weight.contiguous(), weight_scale.contiguous().view(torch.uint8), gs, gs_stride,
-        expert_ids.contiguous(), out_dtype or x.dtype, config, "reshape",
+    cfg = config or pick_config(1, "gemv")
+    _validate_config(cfg, "gemv")
+    out_dtype = out_dtype or x.dtype
+    if M == 0 or N == 0:
+        return torch.empty((M, N), dtype=out_dtype, device=x.device)
+    return _launch_gemv(
+        _unit_k(x), _words(weight), weight_scale.contiguous().view(torch.uint8), gs.contiguous(), gs_stride,
+        expert_ids.contiguous(), out_dtype, cfg,
     )  # fmt: skip
 
 
@@ -449,42 +911,236 @@ def w4a16_gemm_traffic(M: int, N: int, K: int, act_bytes: int = 2, out_bytes: in
     }
 
 
-def bench_w4a16(
-    M: int,
-    N: int,
-    K: int,
-    config: W4A16Config | None = None,
-    scale_mode: str = "reshape",
-    dtype: torch.dtype = torch.bfloat16,
-    seed: int = 0,
-) -> dict[str, float]:
-    """GPU timing of one decode/prefill-shaped W4A16 GEMM: median ms (triton.testing.do_bench, L2 flushed
-    between reps), the bandwidth bound and the % of it reached; also the bf16 cuBLAS GEMM of the same shape."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("bench_w4a16 needs CUDA")
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    w = torch.randn(N, K, device="cuda", generator=gen) * 0.02
+def _graph_ms(fn: Callable[[], object], warmup: int, rep: int) -> float:
+    """Median ms of ``fn`` captured in a CUDA graph (no host launch gaps: the decode step's setting), L2
+    flushed between replays."""
+    if not torch.cuda.is_available():  # (the CPU smoke test of the sweep)
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return triton.testing.do_bench(g.replay, warmup=warmup, rep=rep, return_mode="median")
+
+
+def _bench_weights(N: int, K: int, dtype: torch.dtype, seed: int, device: str):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(N, K, device=device, generator=gen) * 0.02
     packed, scale, gs = quantize_nvfp4(w)
-    x = torch.randn(M, K, device="cuda", dtype=dtype, generator=gen)
-    w_bf16 = w.to(dtype)
+    w_dense = w.to(dtype)
     del w
-    out = w4a16_gemm(x, packed, scale, gs, config=config, scale_mode=scale_mode)
-    ref = w4a16_gemm_ref(x, packed, scale, gs)
-    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-    ms = triton.testing.do_bench(
-        lambda: w4a16_gemm(x, packed, scale, gs, config=config, scale_mode=scale_mode), return_mode="median"
-    )
-    bf16_ms = triton.testing.do_bench(lambda: x @ w_bf16.T, return_mode="median")
+    return packed, scale, gs, w_dense, gen
+
+
+def _bench_case(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    gs: torch.Tensor,
+    ref: torch.Tensor,
+    path: str,
+    config: W4A16Config | None,
+    scale_mode: str,
+    dense_ms: float,
+    warmup: int,
+    rep: int,
+) -> dict:
+    M, K = x.shape
+    N = packed.shape[0]
+    chosen = pick_path(M, path)
+    cfg = config or pick_config(M, chosen, x.dtype)
+
+    def fn():
+        return w4a16_gemm(x, packed, scale, gs, config=cfg, scale_mode=scale_mode, path=chosen)
+
+    out = fn()
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    graph_ms = _graph_ms(fn, warmup, rep)
     t = w4a16_gemm_traffic(M, N, K, x.element_size(), x.element_size())
     return {
         "M": M,
         "N": N,
         "K": K,
+        "path": chosen,
+        "config": asdict(cfg),
         "median_ms": ms,
+        "graph_ms": graph_ms,
         "bound_ms": t["bound_ms"],
         "pct_of_bound": 100.0 * t["bound_ms"] / ms,
+        "graph_pct_of_bound": 100.0 * t["bound_ms"] / graph_ms,
         "achieved_tb_s": t["total_bytes"] / ms / 1e9,
-        "bf16_cublas_ms": bf16_ms,
-        "speedup_vs_bf16": bf16_ms / ms,
+        "bf16_cublas_ms": dense_ms,
+        "speedup_vs_bf16": dense_ms / ms,
         "rel_err_vs_ref": rel,
     }
+
+
+def bench_w4a16(
+    M: int,
+    N: int,
+    K: int,
+    config: W4A16Config | None = None,
+    scale_mode: str = "broadcast",
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    path: str = "auto",
+    device: str = "cuda",
+) -> dict:
+    """GPU timing of one W4A16 GEMM (random weights, NVFP4-quantised): median ms of eager calls
+    (triton.testing.do_bench, L2 flushed between reps) and of CUDA-graph replays (``graph_ms``), the bandwidth
+    bound and the % of it reached, the dense cuBLAS GEMM of the same shape, the error against the reference, the
+    path taken and its tile."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("bench_w4a16 needs CUDA")
+    packed, scale, gs, w_dense, gen = _bench_weights(N, K, dtype, seed, device)
+    x = torch.randn(M, K, device=device, dtype=dtype, generator=gen)
+    ref = w4a16_gemm_ref(x, packed, scale, gs, out_dtype=torch.float32)
+    dense_ms = triton.testing.do_bench(lambda: x @ w_dense.T, return_mode="median")
+    return _bench_case(x, packed, scale, gs, ref, path, config, scale_mode, dense_ms, 25, 100)
+
+
+# The 31B decode shapes (q/kv/o, gate/up, down projections at M = 1, 4, 16), then M = 64 .. 2048 rows of the
+# 21504 x 5376 projection: a small batch and prefill chunks around the dot / dequant_mm crossover.
+SWEEP_SHAPES: tuple[tuple[int, int, int], ...] = tuple(
+    (m, n, k) for m in (1, 4, 16) for n, k in ((5376, 21504), (43008, 5376), (16384, 5376), (5376, 16384), (5376, 8192))
+) + tuple((m, 21504, 5376) for m in (64, 256, 512, 2048))
+SWEEP_PATHS = ("gemv", "dot", "dequant_mm")
+# Tiles timed per path (None = the default tile). gemv: 8-32 weight rows per program, 2-16 KB of weight per
+# program and step (the next step in flight meanwhile), split-K forced on one. dot: mma.sync 16-row tiles, and
+# wgmma 64- and 128-row ones. All compile for sm_90 without spills.
+SWEEP_CONFIGS: dict[str, tuple[W4A16Config | None, ...]] = {
+    "gemv": (
+        None,  # GEMV_CONFIG: 16 x 1024, 8 warps
+        W4A16Config(block_m=4, block_n=8, block_k=512, num_warps=4, num_stages=1),
+        W4A16Config(block_m=4, block_n=16, block_k=512, num_warps=4, num_stages=1),
+        W4A16Config(block_m=4, block_n=32, block_k=512, num_warps=4, num_stages=1),
+        W4A16Config(block_m=4, block_n=32, block_k=1024, num_warps=8, num_stages=1),
+        W4A16Config(block_m=4, block_n=32, block_k=512, num_warps=4, num_stages=1, split_k=2),
+    ),
+    "dot": (
+        None,  # DOT_SMALL_CONFIG (M <= 64) / DOT_LARGE_CONFIG
+        W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),
+        W4A16Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3),
+        W4A16Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, split_k=1),
+    ),
+    "dequant_mm": (None,),
+}
+SWEEP_GEMV_MAX_M = 64  # the sweep skips gemv beyond this M (one FMA per weight element per row: hopeless)
+
+
+def _m_range(M: int) -> str:
+    for hi, name in ((1, "1"), (4, "2-4"), (16, "5-16"), (127, "17-127")):
+        if M <= hi:
+            return name
+    return ">=128"
+
+
+def _sweep_summary(results: Sequence[dict]) -> list[dict]:
+    """Best tile per (M range, path) by the geometric mean over shapes of graph-replay time relative to the best
+    of that shape, then the fastest path per M (the thresholds for ``path="auto"``)."""
+    ok = [r for r in results if "graph_ms" in r]
+    best_of_shape: dict[tuple[int, int, int], float] = {}
+    for r in ok:
+        key = (r["M"], r["N"], r["K"])
+        best_of_shape[key] = min(best_of_shape.get(key, math.inf), r["graph_ms"])
+    groups: dict[tuple[str, str, str], list[float]] = {}
+    for r in ok:
+        key = (_m_range(r["M"]), r["path"], json.dumps(r["config"], sort_keys=True))
+        groups.setdefault(key, []).append(r["graph_ms"] / best_of_shape[(r["M"], r["N"], r["K"])])
+    best: dict[tuple[str, str], tuple[float, str, int]] = {}
+    for (rng, path, cfg), rels in groups.items():
+        score = math.exp(sum(math.log(v) for v in rels) / len(rels))
+        if (rng, path) not in best or score < best[(rng, path)][0]:
+            best[(rng, path)] = (score, cfg, len(rels))
+    summary = [
+        {"summary": "best_config", "m_range": rng, "path": path, "config": json.loads(cfg), "shapes": n,
+         "geomean_time_vs_best": round(score, 3)}
+        for (rng, path), (score, cfg, n) in sorted(best.items())
+    ]  # fmt: skip
+    per_shape: dict[tuple[int, str, tuple[int, int]], float] = {}  # (M, path, (N, K)) -> its best tile's time
+    for r in ok:
+        key = (r["M"], r["path"], (r["N"], r["K"]))
+        per_shape[key] = min(per_shape.get(key, math.inf), r["graph_ms"] / best_of_shape[(r["M"], r["N"], r["K"])])
+    per_m: dict[int, dict[str, list[float]]] = {}
+    for (M, path, _), v in per_shape.items():
+        per_m.setdefault(M, {}).setdefault(path, []).append(v)
+    for M, paths in sorted(per_m.items()):
+        scores = {p: math.exp(sum(math.log(v) for v in rels) / len(rels)) for p, rels in paths.items()}
+        summary.append({"summary": "best_path", "M": M, "path": min(scores, key=scores.get),
+                        "geomean_time_vs_best": {p: round(v, 3) for p, v in sorted(scores.items())}})  # fmt: skip
+    return summary
+
+
+def sweep_w4a16(
+    shapes: Sequence[tuple[int, int, int]] = SWEEP_SHAPES,
+    paths: Sequence[str] = SWEEP_PATHS,
+    configs: Mapping[str, Sequence[W4A16Config | None]] | Sequence[W4A16Config | None] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    warmup: int = 5,
+    rep: int = 20,
+    log: Callable[[str], None] | None = print,
+    device: str = "cuda",
+) -> list[dict]:
+    """Time every (shape, path, tile): one dict per measurement (``bench_w4a16``'s keys; ``error`` instead of the
+    timings when a tile fails), followed by the summary dicts (``_sweep_summary``). ``configs``: tiles per path
+    (default ``SWEEP_CONFIGS``; a plain sequence is the gemv tiles, the other paths their default). ``log`` gets
+    one JSON line per dict as it is measured. Weights are built once per (N, K)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("sweep_w4a16 needs CUDA")
+    for p in paths:
+        pick_path(1, p)
+    if configs is None:
+        configs = SWEEP_CONFIGS
+    elif not isinstance(configs, Mapping):
+        configs = {"gemv": tuple(configs)}
+    results: list[dict] = []
+
+    def emit(d: dict) -> None:
+        results.append(d)
+        if log is not None:
+            log(json.dumps(d))
+
+    by_nk: dict[tuple[int, int], list[int]] = {}
+    for M, N, K in shapes:
+        by_nk.setdefault((N, K), []).append(M)
+    for (N, K), ms in by_nk.items():
+        packed, scale, gs, w_dense, gen = _bench_weights(N, K, dtype, 0, device)
+        for M in ms:
+            x = torch.randn(M, K, device=device, dtype=dtype, generator=gen)
+            ref = w4a16_gemm_ref(x, packed, scale, gs, out_dtype=torch.float32)
+            dense_ms = triton.testing.do_bench(
+                lambda x=x, w=w_dense: x @ w.T, warmup=warmup, rep=rep, return_mode="median"
+            )
+            for p in paths:
+                if p == "gemv" and M > SWEEP_GEMV_MAX_M:
+                    continue
+                for cfg in configs.get(p, (None,)):
+                    try:
+                        emit(_bench_case(x, packed, scale, gs, ref, p, cfg, "broadcast", dense_ms, warmup, rep))
+                    except Exception as exc:  # a tile that does not compile or fit: record it, keep sweeping
+                        emit({"M": M, "N": N, "K": K, "path": p, "config": asdict(cfg or pick_config(M, p, dtype)),
+                              "error": f"{type(exc).__name__}: {exc}"[:300]})  # fmt: skip
+            del ref
+        del packed, scale, gs, w_dense
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    for d in _sweep_summary(results):
+        emit(d)
+    return results
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="W4A16 (NVFP4) GEMM: time paths and tiles on a CUDA GPU.")
+    parser.add_argument("--sweep", action="store_true", help="time SWEEP_SHAPES x paths x SWEEP_CONFIGS")
+    args = parser.parse_args()
+    if args.sweep:
+        sweep_w4a16()
+    else:
+        parser.print_help()
