@@ -294,6 +294,8 @@ def kernels_mask(
         "p10-p90 ms",
         "bound ms",
         "x bound",
+        "device ms",
+        "x bound (device)",
         "allowed",
         title=f"gemma mask, W={window or 'none'}, device {rows[0]['device'] if rows else '-'}",
     )
@@ -316,6 +318,8 @@ def kernels_mask(
             f"{r['p10_ms']:.3f}-{r['p90_ms']:.3f}" if ok else "-",
             f"{r['bound_ms']:.3f}",
             f"{r['x_bound']:.2f}" if ok else "-",
+            "-" if r.get("device_median_ms") is None else f"{r['device_median_ms']:.3f}",
+            "-" if r.get("x_bound_device") is None else f"{r['x_bound_device']:.2f}",
             "-"
             if r["true_count"] is None
             else (f"{r['true_count']}" + ("" if len(agree) == 1 else " [red]MISMATCH[/red]")),

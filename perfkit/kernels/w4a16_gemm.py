@@ -74,13 +74,12 @@ HBM_BYTES_PER_S = 4.3e12  # achievable H200 DRAM bandwidth used for "% of bound"
 
 PATHS = ("auto", "gemv", "dot", "dequant_mm")
 SCALE_MODES = ("broadcast", "gather", "reshape")  # "reshape": the old name of "broadcast"
-# path="auto": gemv for M <= GEMV_MAX_M, dequant_mm for M >= DEQUANT_MM_MIN_M, dot in between. Best guesses from
-# sm_90 SASS counts, not measured (set them from the H200 sweep's "best_path" lines): gemv costs ~5.9 instructions
-# per weight element at M=1 and ~2 more per extra row, the dot path ~7 per element per row tile whatever M (so
-# the gemv/dot crossover may be as low as M=2); dequant_mm pays a fixed ~70 us dequantisation of a 21504 x 5376
-# weight, which the dot path's per-row-tile decode overtakes at a few hundred rows.
-GEMV_MAX_M = 4
-DEQUANT_MM_MIN_M = 256
+# path="auto": gemv for M <= GEMV_MAX_M, dequant_mm for M >= DEQUANT_MM_MIN_M, dot in between. Set from the H200
+# sweep (docs/h200-runs/2026-12-01b/4-w4a16_sweep.jsonl, CUDA-graph medians, 31B shapes): at M=1 gemv beats dot by
+# 1.43x (geomean of 5 shapes); at M=4 dot beats gemv by 2.0x; at M=64 dot 133 us vs dequant_mm 151 us; at M=256
+# dequant_mm 187 us vs dot 391 us (M=2048: 868 vs 2053 us, bf16 cuBLAS 617 us). 128 splits the unmeasured gap.
+GEMV_MAX_M = 1
+DEQUANT_MM_MIN_M = 128
 GEMV_MAX_ROWS = 4  # rows of x per gemv program (BLOCK_M is capped here and at M's next power of two)
 GEMV_MIN_PROGRAMS_PER_SM = 2  # below this many programs per SM the gemv / dot paths split K
 MAX_SPLIT_K = 8
@@ -456,8 +455,11 @@ class W4A16Config:
 # gemv: 16 weight rows x 1024 K = 8 KB of weight per program and step (another step in flight), 96 registers
 # (sm_90, no spills, ~5.9 SASS instructions per weight element at M=1). dot: wgmma tiles (BLOCK_M >= 64), no
 # spills at 128 registers; decode-sized M wastes MMA rows, which are cheap next to the dequantisation.
-GEMV_CONFIG = W4A16Config(block_m=4, block_n=16, block_k=1024, num_warps=8, num_stages=1)
-DOT_SMALL_CONFIG = W4A16Config(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
+# Defaults are the sweep's best per M range: gemv 8 x 512 with 4 warps (M=1); dot 16 x 64 x 128 (M 2-16) and
+# 64 x 64 x 128 (M 17-64), 3 stages; the 128 x 128 x 64 tile for larger M (dot loses to dequant_mm there).
+GEMV_CONFIG = W4A16Config(block_m=4, block_n=8, block_k=512, num_warps=4, num_stages=1)
+DOT_TINY_CONFIG = W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+DOT_SMALL_CONFIG = W4A16Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
 DOT_LARGE_CONFIG = W4A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 DOT_FP32_CONFIG = W4A16Config(block_m=64, block_n=64, block_k=32, num_warps=8, num_stages=2)  # fp32 FMA dot
 DEQUANT_CONFIG = W4A16Config(block_m=1, block_n=16, block_k=512, num_warps=4, num_stages=1)
@@ -479,7 +481,7 @@ def pick_path(M: int, path: str = "auto") -> str:
 
 def pick_config(M: int, path: str = "auto", dtype: torch.dtype = torch.bfloat16) -> W4A16Config:
     """The fixed default tile of ``path`` (resolved by M for "auto") for activations of ``dtype``; the dot path's
-    by M: 64-row tiles up to M = 64, 128-row beyond (fp32 activations: a smaller FMA tile). Under the CPU
+    by M: 16-row tiles up to M = 16, 64-row up to 64, 128-row beyond (fp32 activations: a smaller FMA tile). Under the CPU
     interpreter: INTERPRETER_CONFIG, clipped to the problem."""
     path = pick_path(M, path)
     if _interpreting():
@@ -490,7 +492,7 @@ def pick_config(M: int, path: str = "auto", dtype: torch.dtype = torch.bfloat16)
         return DEQUANT_CONFIG
     if dtype == torch.float32:
         return DOT_FP32_CONFIG
-    return DOT_SMALL_CONFIG if M <= 64 else DOT_LARGE_CONFIG
+    return DOT_TINY_CONFIG if M <= 16 else DOT_SMALL_CONFIG if M <= 64 else DOT_LARGE_CONFIG
 
 
 def _validate_config(cfg: W4A16Config, path: str) -> None:

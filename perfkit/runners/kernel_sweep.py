@@ -7,6 +7,9 @@ Triton (B), one image-heavy context request per shape. Per (shape, impl):
   bytes allocated just before the call, so it includes the output and every temporary (None on CPU);
 - ``median_ms`` / ``p10_ms`` / ``p90_ms`` over ``repeats`` warmed calls, each timed from an idle GPU with CUDA
   events around the call (host launch overhead included, as a serving step would see it); ``perf_counter`` on CPU;
+- ``device_median_ms`` (CUDA): the same call enqueued behind a ~0.5 ms GPU sleep, so the host's launch work
+  happens while the GPU is busy and the events time the device work alone (as in an engine step whose host runs
+  ahead of the GPU); ``x_bound_device`` = that / bound;
 - ``bound_ms`` = output bytes / write bandwidth (default 4.3e12 B/s, H200) and ``x_bound`` = median / bound;
 - ``status``: ok, oom (``torch.OutOfMemoryError`` under the ``budget_gib`` allocator cap; memory is freed and the
   sweep continues), error (message), or skipped (CPU only: predicted peak above the budget, since CPU has no
@@ -100,6 +103,20 @@ def _measure(fn: Callable[[], torch.Tensor], device: torch.device, repeats: int,
     row.update(
         median_ms=statistics.median(times_ms), p10_ms=_percentile(times_ms, 10), p90_ms=_percentile(times_ms, 90)
     )
+    row["device_median_ms"] = None
+    if cuda:  # the same call behind a ~0.5 ms GPU sleep: the host launches it meanwhile, events time the device
+        dev_ms: list[float] = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            torch.cuda._sleep(1_000_000)
+            start.record()
+            out = fn()
+            end.record()
+            end.synchronize()
+            dev_ms.append(start.elapsed_time(end))
+            del out
+        row["device_median_ms"] = statistics.median(dev_ms)
     return row
 
 
@@ -171,6 +188,8 @@ def run_mask_sweep(
                         "bound_ms": out_bytes / write_bw_bytes_s * 1e3,
                         "write_bw_bytes_s": write_bw_bytes_s,
                         "x_bound": None,
+                        "device_median_ms": None,
+                        "x_bound_device": None,
                         "repeats": repeats,
                         "budget_bytes": budget_bytes,
                         "true_count": None,
@@ -199,6 +218,8 @@ def run_mask_sweep(
                                 )
                             )
                             row["x_bound"] = row["median_ms"] / row["bound_ms"] if row["bound_ms"] else None
+                            dm = row.get("device_median_ms")
+                            row["x_bound_device"] = dm / row["bound_ms"] if dm and row["bound_ms"] else None
                         except torch.OutOfMemoryError as err:
                             oom = str(err).splitlines()[0][:300]
                         except Exception as err:  # recorded, the sweep goes on
