@@ -181,3 +181,10 @@ def test_pixel_items_batched_through_the_vision_tower(cache):
     assert out == greedy_generate(model, ids, 6, mm_embeds=per_image, token_type_ids=types)
     if cache == "on":
         assert eng.stats.encoder_calls == 2  # [70, 70] batched, [140] alone
+    # the per-call image cap splits the same-size run: [70], [70], [140], same tokens
+    capped = cpu_engine(model, cfg, max_num_tokens=96, mm_embed_cache=cache == "on", max_images_per_encode=1)
+    capped.set_vision_tower(tower)
+    rid = capped.add_request(ids, mm_items=items, max_new_tokens=6, token_type_ids=types)
+    assert capped.generate_all()[rid] == out
+    if cache == "on":
+        assert capped.stats.encoder_calls == 3

@@ -54,6 +54,7 @@ class EngineConfig:
     attention: str = "torch"  # flashinfer | torch
     page_size: int = 16
     kv_cache_fraction: float = 0.9  # of the free memory measured after weights + a warmup forward
+    max_images_per_encode: int = 8  # vision-tower batch cap: its activations live in the KV sizing's headroom
     max_batch_size: int = 64
     max_num_tokens: int = 8192  # new tokens per step (decodes + prefill chunks)
     max_model_len: int = 32768  # longest prompt + output; sizes RoPE tables captured by graphs
@@ -205,6 +206,7 @@ class Engine:
         )  # fmt: skip
         self.runner.mask_impl = ec.mask
         self.runner.mm_embed_cache = ec.mm_embed_cache
+        self.runner.max_images_per_encode = ec.max_images_per_encode
         self._graphs = None
         if graphs:
             self._sync_graphs()

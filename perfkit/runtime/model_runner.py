@@ -63,6 +63,7 @@ class ModelRunner:
         self._mm_cache: dict[int, torch.Tensor] = {}
         self._placeholder_ids = np.array([cfg.image_token_id, cfg.video_token_id])
         self.num_encoder_calls = 0
+        self.max_images_per_encode = 8  # vision-tower batch cap (see _encode)
         self.ranges, self.memory = ranges, memory  # capture instruments (NVTX ranges, memory phases)
 
     # ---- prepare ---------------------------------------------------------------------------------------------
@@ -147,7 +148,10 @@ class ModelRunner:
     # ---- multimodal ------------------------------------------------------------------------------------------
     def _encode(self, req: Request) -> torch.Tensor:
         """Soft tokens of every item of a request, in prompt order. Consecutive pixel items of the same patch count
-        go through the vision tower as one batch (one launch sequence for N images instead of N)."""
+        go through the vision tower as one batch (one launch sequence for N images instead of N), at most
+        ``max_images_per_encode`` per call: the KV pool is sized after a text-only warmup, so the tower's
+        activations must fit the headroom kv_cache_fraction leaves (32 images of 2,520 patches in one call ran out
+        of memory next to a 0.9 pool on the H200, b200_nvfp4 on 12-01)."""
         rows: list[torch.Tensor] = []
         batch: list[tuple[torch.Tensor, torch.Tensor]] = []  # pending (pixel_values, pixel_position_ids)
 
@@ -170,7 +174,7 @@ class ModelRunner:
                 continue
             pv = item["pixel_values"] if isinstance(item, dict) else item.pixel_values
             pp = item["pixel_position_ids"] if isinstance(item, dict) else item.pixel_position_ids
-            if batch and batch[0][0].shape[1:] != pv.shape[1:]:
+            if batch and (batch[0][0].shape[1:] != pv.shape[1:] or len(batch) >= self.max_images_per_encode):
                 flush()
             batch.append((pv, pp))
         flush()
