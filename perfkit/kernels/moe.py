@@ -67,11 +67,15 @@ import triton.language as tl
 
 HBM_BYTES_PER_S = 4.3e12  # achievable H200 DRAM bandwidth used for "% of bound" (as in w4a16_gemm)
 MOE_PATHS = ("auto", "gather", "sorted")
-MOE_GATHER_MAX_PAIRS = 64  # path="auto": T*K at or below this takes the gather path (to be set from the H200 sweep)
-# Gather-path tiles (H200: 132 SMs; at batch 1 gate_up runs 8 x 704/16 = 352 programs, down 2816/8 = 352; each
-# loop step has 16 KB (gate_up: gate + up rows) / 32 KB (down: 8 slots) of weight loads in flight per program).
-GATHER_GATE_UP_TILES = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4}  # BLOCK_N rows of I, BLOCK_K of H
-GATHER_DOWN_TILES = {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4}  # BLOCK_N rows of H, BLOCK_K of I
+# path="auto": T*K at or below this takes the gather path. H200 sweep (docs/h200-runs/2026-12-01b/2-moe-sweep.txt):
+# gather beats sorted up to 64 pairs (T=8: 194 vs 214 us) and loses from 128 (T=16: 327 vs 298 us)
+MOE_GATHER_MAX_PAIRS = 64
+# Gather-path tiles (H200: 132 SMs; at batch 1 gate_up runs 8 x 704/8 = 704 programs, down 2816/8 = 352). The
+# fastest of 36 per kernel in `python3 -m perfkit.kernels.moe --tiles` on the H200
+# (docs/h200-runs/2026-12-01b/4-moe-tiles.jsonl, 26B-A4B shapes, summed over T = 1 and 8): gate_up 28.7 us at T=1
+# (16 x 256 x 4 warps: 32.5), down 19.4 us (8 x 256 x 4 warps: 21.8).
+GATHER_GATE_UP_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8}  # BLOCK_N rows of I, BLOCK_K of H
+GATHER_DOWN_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8}  # BLOCK_N rows of H, BLOCK_K of I
 _TILE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
 # --------------------------------------------------------------------------------------------------------------
@@ -563,8 +567,8 @@ def fused_moe_traffic(
 # GPU benchmark and sweep
 # --------------------------------------------------------------------------------------------------------------
 
-# Gather-path tile variants timed by the sweep: (gate_up tiles, down tiles). At batch 1 (P = 8): "default"
-# 352 + 352 programs, "narrow" 704 + 704 (more programs, less in flight each), "wide" 176 + 176 (8 warps).
+# Gather-path tile variants timed by the sweep: (gate_up tiles, down tiles); "narrow" and "wide" are the two that
+# lost to the first defaults (16 x 256 / 8 x 256, 4 warps) in the 12-01 sweep.
 GATHER_VARIANTS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "default": (GATHER_GATE_UP_TILES, GATHER_DOWN_TILES),
     "narrow": ({"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4}, {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4}),
