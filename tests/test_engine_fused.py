@@ -182,8 +182,9 @@ def test_fused_toggle_on_live_engine_gives_the_reference_tokens():
 
 
 @pytest.mark.parametrize("scheme", ["fp8", "nvfp4"])
-def test_quantized_projections_run_fused_with_separate_gemms(scheme):
-    """Fp8Linear / Nvfp4Linear projections do not merge: separate GEMMs, then the same one qkv kernel launch."""
+def test_quantized_projections_merge_and_run_fused(scheme):
+    """Fp8Linear / Nvfp4Linear q|k|v and gate|up merge into one quantised GEMM each (row views, per-row global
+    scales for NVFP4), then the same one qkv kernel launch; tokens equal the unfused quantised model's."""
     cfg, model = _model("tiny")
     quantize_model_(model, scheme)
     for m in model.modules():  # W8A8's per-token activation rounding turns fp32-ulp differences into e4m3 steps
@@ -191,7 +192,11 @@ def test_quantized_projections_run_fused_with_separate_gemms(scheme):
             m.quantize_input = False
     q_fused = copy.deepcopy(model)
     q_fused.set_fused(True)
-    assert all(m.merged_weight() is None for m in q_fused.modules() if isinstance(m, (Gemma4Attention, Gemma4MLP)))
+    merged = [m for m in q_fused.modules() if isinstance(m, (Gemma4Attention, Gemma4MLP)) and m.merged_weight() is not None]
+    assert merged and all(type(m.qkv if isinstance(m, Gemma4Attention) else m.gate_up).__name__ == "MergedQuantRows"
+                          for m in merged)  # fmt: skip
+    mlp = q_fused.layers[0].mlp
+    assert mlp.gate_proj.weight.data_ptr() == mlp.merged_weight().data_ptr()  # a view: the weight exists once
     ref, cand = _engine(model, cfg, False), _engine(q_fused, cfg, True)
     spy = _WriteSpy(cand.runner.backend)
     _lockstep(ref, cand, _prompts(2), max_new=3)

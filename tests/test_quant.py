@@ -666,3 +666,24 @@ def test_gpu_w4a16_default_tiles_exact_and_deterministic():
         a = w4a16_gemm(x, q, s, gs, config=cfg, path=path)
         assert torch.equal(a, w4a16_gemm(x, q, s, gs, config=cfg, path=path))
         _assert_w4a16_close(a, x, q, s, gs)
+
+
+@pytest.mark.parametrize("cls", ["Fp8Linear", "Nvfp4Linear"])
+def test_merged_quantised_rows_equal_the_separate_gemms(cls):
+    """q|k|v merged into one quantised linear: same outputs as the three modules (row for row, one GEMM), the
+    modules' weights become views of the merged one, and a swapped module breaks `intact`."""
+    import perfkit.runtime.quant as quant
+
+    klass = getattr(quant, cls)
+    torch.manual_seed(0)
+    lins = [torch.nn.Linear(64, n, bias=False, device=DEVICE) for n in (48, 16, 32)]
+    mods = [klass.from_linear(lin) for lin in lins]
+    x = torch.randn(3, 64, device=DEVICE)
+    want = torch.cat([m(x) for m in mods], dim=-1)
+    merged = klass.merge_rows(mods)
+    assert merged is not None and merged.weight.shape[0] == 96 and merged.intact(mods)
+    assert mods[1].weight.data_ptr() == merged.weight[48:].data_ptr()
+    torch.testing.assert_close(merged(x), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([m(x) for m in mods], dim=-1), want)  # the views still compute the same
+    assert not merged.intact([mods[0], klass.from_linear(lins[1]), mods[2]])
+    assert klass.merge_rows([mods[0], torch.nn.Linear(64, 8, bias=False)]) is None

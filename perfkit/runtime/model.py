@@ -75,6 +75,9 @@ class MergedRows:
     weight: Tensor
     parts: tuple[tuple[nn.Module, Tensor, int], ...]  # (linear, its weight Parameter, data_ptr of its view)
 
+    def __call__(self, x: Tensor) -> Tensor:  # [T, K] -> [T, sum N_i]
+        return F.linear(x, self.weight)
+
     def intact(self, linears: Sequence[nn.Module]) -> bool:
         """True while the same Linears hold the same Parameters still pointing at their rows of `weight`: a
         swapped module (quantisation, TP sharding) or replaced data (`model.to(dtype)`) breaks it. Host-only, and
@@ -105,6 +108,17 @@ def merge_linear_rows(linears: Sequence[nn.Module]) -> MergedRows | None:
             w.data = merged[row : row + n]  # same Parameter object: names, hooks, requires_grad kept
             row += n
     return MergedRows(merged, tuple((m, w, w.data_ptr()) for m, w in zip(linears, ws, strict=True)))
+
+
+def merge_projections(linears: Sequence[nn.Module]):
+    """`merge_linear_rows` for nn.Linear; quantised linears that know how to merge themselves (a `merge_rows`
+    classmethod: runtime/quant.py's Fp8Linear / Nvfp4Linear) do it their way. The result is called on the input
+    (one GEMM) and has `.weight` and `.intact(linears)`; None when nothing merged."""
+    merged = merge_linear_rows(linears)
+    if merged is None and linears and len({type(m) for m in linears}) == 1:
+        merge = getattr(type(linears[0]), "merge_rows", None)
+        merged = merge(list(linears)) if merge is not None else None
+    return merged
 
 
 def _kv_write_target(
@@ -203,7 +217,7 @@ class Gemma4MLP(nn.Module):
     def merge_projections(self) -> bool:
         """Fused path: gate_proj | up_proj as views of one [2I, H] tensor (see the module docstring)."""
         if self.gate_up is None or not self.gate_up.intact(self._linears()):
-            self.gate_up = merge_linear_rows(self._linears())
+            self.gate_up = merge_projections(self._linears())
         return self.gate_up is not None
 
     def merged_weight(self) -> Tensor | None:
@@ -216,7 +230,7 @@ class Gemma4MLP(nn.Module):
         if self.fused:
             K, w = _kernels(), self.merged_weight()
             if w is not None:  # one GEMM -> [T, 2I], gelu_mul reads the two strided halves
-                return self.down_proj(K.gelu_mul_cat(F.linear(x, w)))
+                return self.down_proj(K.gelu_mul_cat(self.gate_up(x)))
             return self.down_proj(K.gelu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
 
@@ -252,7 +266,7 @@ class Gemma4Attention(nn.Module):
         layers have only q_proj: nothing to merge."""
         linears = self._linears()
         if linears and (self.qkv is None or not self.qkv.intact(linears)):
-            self.qkv = merge_linear_rows(linears)
+            self.qkv = merge_projections(linears)
         return self.qkv is not None
 
     def merged_weight(self) -> Tensor | None:
@@ -285,8 +299,8 @@ class Gemma4Attention(nn.Module):
             return self.o_proj(attn.attend(la, q, None, None).reshape(T, -1))
         w = self.merged_weight()
         if w is not None:  # [T, (nh + kvh [+ kvh]) * hd] -> views, no copies
-            q_raw, k_raw, v_raw = K.split_qkv(F.linear(x, w), la.num_heads, la.num_kv_heads, hd, self.v_proj is None)
-        else:  # quantised (or otherwise unmergeable) projections
+            q_raw, k_raw, v_raw = K.split_qkv(self.qkv(x), la.num_heads, la.num_kv_heads, hd, self.v_proj is None)
+        else:  # unmergeable projections (fp4-native, TP-sharded, mixed types)
             q_raw, k_raw = self.q_proj(x).view(T, -1, hd), self.k_proj(x).view(T, -1, hd)
             v_raw = None if self.v_proj is None else self.v_proj(x).view(T, -1, hd)
         target = _kv_write_target(attn, la, q_raw.dtype)

@@ -7,7 +7,9 @@ model dtype: the token embedding, which is also the (tied) LM head, the PLE embe
 rounding would move top-k routing decisions; ModelOpt's recipes also leave MoE gates unquantised). A Linear whose
 dims do not fit the format (K % 16 for NVFP4, K and N % 16 for FP8) is left as is and listed in the report.
 
-Modules are swapped by name from outside (``setattr`` on the parent); ``model.py`` is untouched.
+Modules are swapped by name from outside (``setattr`` on the parent); ``model.py`` is untouched. On the fused path
+q|k|v and gate|up of a layer merge into one quantised GEMM each (``Fp8Linear.merge_rows`` / ``Nvfp4Linear.merge_rows``,
+which ``model.merge_projections`` finds by duck typing).
 
 Formats
 -------
@@ -105,6 +107,58 @@ def _flat(x: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class MergedQuantRows:
+    """One quantised [sum N_i, K] linear (``module``, an Fp8Linear / Nvfp4Linear) whose row slices are the weight
+    buffers of the merged modules (views, so the weights exist once), as ``model.MergedRows`` for nn.Linear: one
+    GEMM launch for q|k|v or gate|up instead of 2-3. The math per output row is unchanged: FP8 rows keep their
+    per-channel scales (and W8A8 quantises the shared input once, with the same per-token scale); NVFP4 rows keep
+    their block scales and carry their module's global scale as a per-row vector (copied at merge time: weights
+    loaded into the modules afterwards by ``copy_`` reach the merged weight through the views, a changed global
+    scale does not; load before ``set_fused(True)``, as the engine does)."""
+
+    module: nn.Module
+    parts: tuple[tuple[nn.Module, int], ...]  # (linear, data_ptr of its weight view)
+
+    @property
+    def weight(self) -> Tensor:
+        return self.module.weight
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.module(x)
+
+    def intact(self, linears: list[nn.Module]) -> bool:
+        """True while the same modules still hold views of the merged weight (see ``model.MergedRows.intact``)."""
+        if len(linears) != len(self.parts):
+            return False
+        return all(m is pm and m._buffers.get("weight") is not None and m._buffers["weight"].data_ptr() == ptr
+                   for m, (pm, ptr) in zip(linears, self.parts, strict=True))  # fmt: skip
+
+
+def _merge_quant_rows(linears: list[nn.Module], names: tuple[str, ...], merged: nn.Module) -> MergedQuantRows:
+    """Concatenate the row-indexed buffers ``names`` of ``linears`` into ``merged`` and re-point each module's
+    buffers at its rows of them."""
+    with torch.no_grad():
+        for name in names:
+            setattr(merged, name, torch.cat([getattr(m, name) for m in linears], dim=0))
+        row = 0
+        for m in linears:
+            n = m.out_features
+            for name in names:
+                setattr(m, name, getattr(merged, name)[row : row + n])
+            row += n
+    return MergedQuantRows(merged, tuple((m, m.weight.data_ptr()) for m in linears))
+
+
+def _mergeable(linears: list[nn.Module], cls: type) -> bool:
+    return (
+        bool(linears)
+        and all(type(m) is cls for m in linears)
+        and len({(m.in_features, m.backend, m.weight.device) for m in linears}) == 1
+        and linears[0].weight.device.type != "meta"
+    )
+
+
 class Fp8Linear(nn.Module):
     """Drop-in for a bias-free ``nn.Linear``: e4m3 weight [N, K] + fp32 per-channel scales [N]."""
 
@@ -122,6 +176,16 @@ class Fp8Linear(nn.Module):
         m.weight, m.weight_scale = quantize_fp8_rowwise(lin.weight.detach())
         m.backend = fp8_backend(lin.weight.device)
         return m
+
+    @classmethod
+    def merge_rows(cls, linears: list[nn.Module]) -> MergedQuantRows | None:
+        """q|k|v or gate|up as one Fp8Linear (None, nothing changed, unless all are Fp8Linear of one backend,
+        in_features and input mode)."""
+        if not _mergeable(linears, cls) or len({m.quantize_input for m in linears}) != 1:
+            return None
+        merged = cls(linears[0].in_features, sum(m.out_features for m in linears), device="meta")
+        merged.backend, merged.quantize_input = linears[0].backend, linears[0].quantize_input
+        return _merge_quant_rows(linears, ("weight", "weight_scale"), merged)
 
     def dequantized_weight(self) -> Tensor:
         return dequantize_fp8_rowwise(self.weight, self.weight_scale)
@@ -161,6 +225,20 @@ class Nvfp4Linear(nn.Module):
         m.weight_scale_2 = gs.reshape(())
         m.backend = nvfp4_backend(lin.weight.device)
         return m
+
+    @classmethod
+    def merge_rows(cls, linears: list[nn.Module]) -> MergedQuantRows | None:
+        """q|k|v or gate|up as one Nvfp4Linear with a per-row global scale (None, nothing changed, unless all are
+        Nvfp4Linear of one backend and in_features; fp4-native keeps separate GEMMs: its alpha is a scalar)."""
+        if not _mergeable(linears, cls) or linears[0].backend == "fp4-native":
+            return None
+        merged = cls(linears[0].in_features, sum(m.out_features for m in linears), device="meta")
+        merged.backend, merged.input_scale = linears[0].backend, linears[0].input_scale
+        with torch.no_grad():  # each module's global scale, one per row of the merged weight
+            merged.weight_scale_2 = torch.cat(
+                [m.weight_scale_2.float().reshape(-1).expand(m.out_features) for m in linears]
+            )
+        return _merge_quant_rows(linears, ("weight", "weight_scale"), merged)
 
     def dequantized_weight(self) -> Tensor:
         return dequantize_nvfp4(self.weight, self.weight_scale, self.weight_scale_2)
