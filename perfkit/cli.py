@@ -207,6 +207,18 @@ def _int_list(option: str, text: str) -> list[int]:
     return vals
 
 
+def _kernel_result(kind: str, label: str | None, config: dict[str, Any], out: Path) -> tuple[Any, Path]:
+    """An empty kernel-sweep Result (rows are appended and the file rewritten as each one is measured) and its path."""
+    from perfkit.provenance import collect
+    from perfkit.results import Result, make_run_id
+
+    result = Result(
+        run_id=make_run_id(kind, label), command=" ".join(["perfkit", *sys.argv[1:]]), config=config,
+        provenance=collect(), kernels=[],
+    )  # fmt: skip
+    return result, out / result.run_id / "result.json"
+
+
 @kernels_app.command("mask")
 @_guard
 def kernels_mask(
@@ -239,8 +251,7 @@ def kernels_mask(
         raise PerfkitError("--repeats must be >= 1, --write-bw-tb-s > 0, --window >= 0, --budget-gib > 0")
     if not torch.cuda.is_available():  # CPU: Triton runs interpreted (slow; use small --q-lens)
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from perfkit.provenance import collect
-    from perfkit.results import KernelRow, Result, make_run_id, write_result
+    from perfkit.results import KernelRow, write_result
     from perfkit.runners.kernel_sweep import run_mask_sweep
 
     qs, ps = _int_list("--q-lens", q_lens), _int_list("--prefix-lens", prefix_lens)
@@ -254,14 +265,7 @@ def kernels_mask(
         "repeats": repeats,
         "write_bw_bytes_s": write_bw_tb_s * 1e12,
     }
-    result = Result(
-        run_id=make_run_id("kernels-mask", label),
-        command=" ".join(["perfkit", *sys.argv[1:]]),
-        config=sweep_cfg,
-        provenance=collect(),
-        kernels=[],
-    )
-    path = out / result.run_id / "result.json"
+    result, path = _kernel_result("kernels-mask", label, sweep_cfg, out)
     con = _console()
 
     def on_row(row: dict[str, Any]) -> None:
@@ -356,8 +360,7 @@ def kernels_attention(
     label: Annotated[Optional[str], typer.Option("--label", help="appended to the run id")] = None,
 ) -> None:
     """FlashInfer decode (CUDA cores vs tensor cores) and prefill (FA2 vs FA3) at a model's pool shapes."""
-    from perfkit.provenance import collect
-    from perfkit.results import KernelRow, Result, make_run_id, write_result
+    from perfkit.results import KernelRow, write_result
     from perfkit.runners.attention_sweep import attention_cases, best_impls, run_attention_sweep
 
     if repeats < 1 or page_size < 1:
@@ -367,14 +370,8 @@ def kernels_attention(
         preset, split(pools), _int_list("--batch-sizes", batch_sizes), _int_list("--kv-lens", kv_lens),
         _int_list("--prefill-q-lens", prefill_q_lens), split(decode_impl), split(prefill_impl), kv_dtype,
     )  # fmt: skip
-    result = Result(
-        run_id=make_run_id("kernels-attention", label),
-        command=" ".join(["perfkit", *sys.argv[1:]]),
-        config={"kernel": "attention", "preset": preset, "page_size": page_size, "repeats": repeats},
-        provenance=collect(),
-        kernels=[],
-    )
-    path = out / result.run_id / "result.json"
+    config = {"kernel": "attention", "preset": preset, "page_size": page_size, "repeats": repeats}
+    result, path = _kernel_result("kernels-attention", label, config, out)
     con = _console()
 
     def on_row(row: dict[str, Any]) -> None:

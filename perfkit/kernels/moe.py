@@ -65,6 +65,8 @@ import torch
 import triton
 import triton.language as tl
 
+from perfkit.kernels.timing import graph_ms
+
 HBM_BYTES_PER_S = 4.3e12  # achievable H200 DRAM bandwidth used for "% of bound" (as in w4a16_gemm)
 MOE_PATHS = ("auto", "gather", "sorted")
 # path="auto": T*K at or below this takes the gather path. H200 sweep (docs/h200-runs/2026-12-01b/2-moe-sweep.txt):
@@ -577,17 +579,6 @@ GATHER_VARIANTS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
 SWEEP_TOKENS = (1, 2, 4, 8, 16, 64)
 
 
-def _graph_ms(fn) -> float:
-    """Median ms of ``fn`` captured in a CUDA graph (no host launch gaps), L2 flushed between replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return triton.testing.do_bench(g.replay, return_mode="median")
 
 
 def bench_fused_moe(
@@ -626,7 +617,7 @@ def bench_fused_moe(
     out, ref = fn().float(), fused_moe_ref(x, gu, dn, w, idx).float()
     rel = ((out - ref).norm() / ref.norm()).item()
     ms = triton.testing.do_bench(fn, return_mode="median")
-    graph_ms = _graph_ms(fn)
+    g_ms = graph_ms(fn)
     a = idx.unique().numel()
     elt = x.element_size()
     t = fused_moe_traffic(T, H, I, E, K, elt, active_experts=a, path=chosen)
@@ -638,10 +629,10 @@ def bench_fused_moe(
         "path": chosen,
         "active_experts": a,
         "median_ms": ms,
-        "graph_ms": graph_ms,
+        "graph_ms": g_ms,
         "bound_ms": bound,
         "pct_of_bound": 100.0 * bound / ms,
-        "graph_pct_of_bound": 100.0 * bound / graph_ms,
+        "graph_pct_of_bound": 100.0 * bound / g_ms,
         "achieved_tb_s": t["total_bytes"] / ms / 1e9,
         "rel_err_vs_ref": rel,
     }
@@ -653,8 +644,8 @@ def bench_fused_moe(
         t2 = _gather_tiles(GATHER_DOWN_TILES, down_tiles, H, I)
         act = _gather_gate_up(x, gu, ti, tw, K, t1)
         res["gate_up_tiles"], res["down_tiles"] = t1, t2
-        res["gate_up_ms"] = _graph_ms(lambda: _gather_gate_up(x, gu, ti, tw, K, t1))
-        res["down_ms"] = _graph_ms(lambda: _gather_down(act, dn, ti, tw, K, t2, x.dtype))
+        res["gate_up_ms"] = graph_ms(lambda: _gather_gate_up(x, gu, ti, tw, K, t1))
+        res["down_ms"] = graph_ms(lambda: _gather_down(act, dn, ti, tw, K, t2, x.dtype))
         act_b, tok_b = T * K * I * elt, T * H * elt
         res["gate_up_bound_ms"] = (a * 2 * I * H * elt + tok_b + act_b) / HBM_BYTES_PER_S * 1e3
         res["down_bound_ms"] = (a * I * H * elt + act_b + tok_b) / HBM_BYTES_PER_S * 1e3
@@ -696,10 +687,10 @@ def tile_sweep(tokens: tuple[int, ...] = (1, 8), file=None) -> list[dict]:
             for tiles in grid:
                 if kernel == "gate_up":
                     t = _gather_tiles(GATHER_GATE_UP_TILES, tiles, inter, H)
-                    ms = _graph_ms(functools.partial(_gather_gate_up, x, gu, ti, tw, K, t))
+                    ms = graph_ms(functools.partial(_gather_gate_up, x, gu, ti, tw, K, t))
                 else:
                     t = _gather_tiles(GATHER_DOWN_TILES, tiles, H, inter)
-                    ms = _graph_ms(functools.partial(_gather_down, act, dn, ti, tw, K, t, x.dtype))
+                    ms = graph_ms(functools.partial(_gather_down, act, dn, ti, tw, K, t, x.dtype))
                 r = {"kernel": kernel, "T": T, "tiles": t, "graph_us": round(ms * 1e3, 2)}
                 rows.append(r)
                 print(json.dumps(r), file=file, flush=True)

@@ -66,6 +66,8 @@ import torch
 import triton
 import triton.language as tl
 
+from perfkit.kernels.timing import graph_ms
+
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of codes 0..7; code | 8 is the negative
 FP4_MAX = 6.0
 FP8_E4M3_MAX = 448.0
@@ -913,20 +915,6 @@ def w4a16_gemm_traffic(M: int, N: int, K: int, act_bytes: int = 2, out_bytes: in
     }
 
 
-def _graph_ms(fn: Callable[[], object], warmup: int, rep: int) -> float:
-    """Median ms of ``fn`` captured in a CUDA graph (no host launch gaps: the decode step's setting), L2
-    flushed between replays."""
-    if not torch.cuda.is_available():  # (the CPU smoke test of the sweep)
-        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return triton.testing.do_bench(g.replay, warmup=warmup, rep=rep, return_mode="median")
 
 
 def _bench_weights(N: int, K: int, dtype: torch.dtype, seed: int, device: str):
@@ -962,7 +950,7 @@ def _bench_case(
     out = fn()
     rel = ((out.float() - ref).norm() / ref.norm()).item()
     ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-    graph_ms = _graph_ms(fn, warmup, rep)
+    g_ms = graph_ms(fn, warmup, rep)
     t = w4a16_gemm_traffic(M, N, K, x.element_size(), x.element_size())
     return {
         "M": M,
@@ -971,10 +959,10 @@ def _bench_case(
         "path": chosen,
         "config": asdict(cfg),
         "median_ms": ms,
-        "graph_ms": graph_ms,
+        "graph_ms": g_ms,
         "bound_ms": t["bound_ms"],
         "pct_of_bound": 100.0 * t["bound_ms"] / ms,
-        "graph_pct_of_bound": 100.0 * t["bound_ms"] / graph_ms,
+        "graph_pct_of_bound": 100.0 * t["bound_ms"] / g_ms,
         "achieved_tb_s": t["total_bytes"] / ms / 1e9,
         "bf16_cublas_ms": dense_ms,
         "speedup_vs_bf16": dense_ms / ms,
