@@ -150,8 +150,8 @@ class ModelRunner:
         """Soft tokens of every item of a request, in prompt order. Consecutive pixel items of the same patch count
         go through the vision tower as one batch (one launch sequence for N images instead of N), at most
         ``max_images_per_encode`` per call: the KV pool is sized after a text-only warmup, so the tower's
-        activations must fit the headroom kv_cache_fraction leaves (32 images of 2,520 patches in one call ran out
-        of memory next to a 0.9 pool on the H200, b200_nvfp4 on 12-01)."""
+        activations must fit the headroom kv_cache_fraction leaves (32 images in one call ran out of memory next to
+        a 0.9 pool on the H200: b200_nvfp4's 32 x 280 prefill on 12-01)."""
         rows: list[torch.Tensor] = []
         batch: list[tuple[torch.Tensor, torch.Tensor]] = []  # pending (pixel_values, pixel_position_ids)
 
