@@ -54,6 +54,11 @@ def _guard(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+# options several commands share
+_KernelOutDir = Annotated[Path, typer.Option("--out", help="results directory; the run goes to <out>/<run-id>/")]
+_Label = Annotated[Optional[str], typer.Option("--label", help="appended to the run id")]
+
+
 def _console() -> Console:
     # piped output (CI logs, `| tee`) gets a wide console so tables are not folded into unreadable columns
     return Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 180)
@@ -70,7 +75,7 @@ def run(
     config: Annotated[Optional[Path], typer.Argument(help="suite YAML; omitted = the packaged smoke suite")] = None,
     set_: SetOption = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="results directory (default: output.dir)")] = None,
-    label: Annotated[Optional[str], typer.Option("--label", help="appended to the run id")] = None,
+    label: _Label = None,
     profile: Annotated[
         Optional[str], typer.Option("--profile", help="profiler window: torch | cuda | python (see capture.profile_*)")
     ] = None,
@@ -233,10 +238,8 @@ def kernels_mask(
     ] = None,
     repeats: Annotated[int, typer.Option("--repeats", help="timed calls per (shape, impl)")] = 20,
     write_bw_tb_s: Annotated[float, typer.Option("--write-bw-tb-s", help="write bandwidth for the bound, TB/s")] = 4.3,
-    out: Annotated[Path, typer.Option("--out", help="results directory; the run goes to <out>/<run-id>/")] = Path(
-        "results"
-    ),
-    label: Annotated[Optional[str], typer.Option("--label", help="appended to the run id")] = None,
+    out: _KernelOutDir = Path("results"),
+    label: _Label = None,
 ) -> None:
     """Gemma4 attention-mask build, dense vs Triton: peak memory, median latency, distance from the write bound."""
     import os
@@ -354,10 +357,8 @@ def kernels_attention(
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="bf16 | fp8")] = "bf16",
     page_size: Annotated[int, typer.Option("--page-size", help="KV page size")] = 16,
     repeats: Annotated[int, typer.Option("--repeats", help="timed replays per case")] = 20,
-    out: Annotated[Path, typer.Option("--out", help="results directory; the run goes to <out>/<run-id>/")] = Path(
-        "results"
-    ),
-    label: Annotated[Optional[str], typer.Option("--label", help="appended to the run id")] = None,
+    out: _KernelOutDir = Path("results"),
+    label: _Label = None,
 ) -> None:
     """FlashInfer decode (CUDA cores vs tensor cores) and prefill (FA2 vs FA3) at a model's pool shapes."""
     from perfkit.results import KernelRow, write_result
