@@ -29,7 +29,9 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from perfkit.capture.ranges import percentile
 from perfkit.errors import PerfkitError
+from perfkit.runtime.attention.flashinfer import window_left
 from perfkit.runtime.kv_cache import PoolSpec, pool_specs
 from perfkit.runtime.model_config import get_preset
 
@@ -171,7 +173,7 @@ def _decode_fn(fi, torch, row: dict[str, Any], spec: PoolSpec, page_size: int, w
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
         workspace, "NHD", use_tensor_cores=impl != "cuda_cores", backend="fa3" if impl == "tc_fa3" else "auto"
     )
-    wl = spec.window - 1 if spec.window is not None else -1
+    wl = window_left(spec.window)
     wrapper.plan(indptr, indices, last_len, spec.num_heads, spec.num_kv_heads, spec.head_dim, page_size,
                  window_left=wl, sm_scale=1.0, q_data_type=torch.bfloat16, kv_data_type=kv_dt)  # fmt: skip
     q = torch.randn(b, spec.num_heads, spec.head_dim, device=dev, dtype=torch.bfloat16)
@@ -196,7 +198,7 @@ def _prefill_fn(fi, torch, row: dict[str, Any], spec: PoolSpec, page_size: int, 
     pages, last = _pages_for(n, page_size)
     cache = torch.randn(pages, 2, page_size, spec.num_kv_heads, spec.head_dim, device=dev).to(kv_dt)
     wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=row["impl"])
-    wl = spec.window - 1 if spec.window is not None else -1
+    wl = window_left(spec.window)
     wrapper.plan(torch.tensor([0, n], dtype=torch.int32), torch.tensor([0, pages], dtype=torch.int32),
                  torch.arange(pages, dtype=torch.int32, device=dev), torch.tensor([last], dtype=torch.int32),
                  spec.num_heads, spec.num_kv_heads, spec.head_dim, page_size, causal=True, window_left=wl,
@@ -218,9 +220,7 @@ def _time(torch, fn: Callable, per_call: int, repeats: int, warmup: int = 3) -> 
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / per_call)
-    times.sort()
-    pick = lambda q: times[min(len(times) - 1, int(q * (len(times) - 1) + 0.5))]  # noqa: E731
-    return {"median_ms": statistics.median(times), "p10_ms": pick(0.1), "p90_ms": pick(0.9)}
+    return {"median_ms": statistics.median(times), "p10_ms": percentile(times, 10), "p90_ms": percentile(times, 90)}
 
 
 def run_attention_sweep(
@@ -254,7 +254,7 @@ def run_attention_sweep(
             row["max_abs_diff"] = float((out.float() - ref).abs().max())
             row["diff_vs"] = ref_impl
             row["x_bound"] = row["median_ms"] / row["bound_ms"]
-            row["timing"] = f"cuda graph of {per_call} calls" if per_call > 1 or build is _decode_fn else "eager"
+            row["timing"] = f"cuda graph of {per_call} calls" if build is _decode_fn else "eager"
             if "flops" in row:
                 row["tflops"] = row["flops"] / row["median_ms"] / 1e9
             else:

@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from perfkit.capture.ranges import percentile
+
 H200_WRITE_BW_BYTES_S = 4.3e12
 GiB = 2**30
 
@@ -44,10 +46,6 @@ def image_heavy_token_types(
     return torch.from_numpy(np.ascontiguousarray(types))
 
 
-def _percentile(xs: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs), q))  # linear interpolation
-
-
 def _triton_unavailable(device: torch.device) -> str | None:
     if device.type == "cuda":
         return None
@@ -63,6 +61,24 @@ def _free(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+
+
+def _cuda_times(fn: Callable[[], torch.Tensor], device: torch.device, repeats: int, busy: bool = False) -> list[float]:
+    """CUDA-event ms of ``repeats`` calls, each started from an idle GPU (``busy``: queued behind a GPU sleep,
+    so the host's launch work overlaps it); the output is freed between calls."""
+    times: list[float] = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        if busy:
+            torch.cuda._sleep(1_000_000)
+        start.record()
+        out = fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+        del out
+    return times
 
 
 def _measure(fn: Callable[[], torch.Tensor], device: torch.device, repeats: int, warmup: int) -> dict[str, Any]:
@@ -85,38 +101,18 @@ def _measure(fn: Callable[[], torch.Tensor], device: torch.device, repeats: int,
     # count in slices: a bool .sum() over the whole mask would materialise an int64 copy (8x the output)
     row["true_count"] = sum(int(torch.count_nonzero(part)) for part in out.view(-1).split(1 << 24))
     del out
-    times_ms: list[float] = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            start.record()
-            out = fn()
-            end.record()
-            end.synchronize()
-            times_ms.append(start.elapsed_time(end))
-        else:
+    if cuda:
+        times_ms = _cuda_times(fn, device, repeats)
+    else:
+        times_ms = []
+        for _ in range(repeats):
             t0 = time.perf_counter()
             out = fn()
             times_ms.append((time.perf_counter() - t0) * 1e3)
-        del out
-    row.update(
-        median_ms=statistics.median(times_ms), p10_ms=_percentile(times_ms, 10), p90_ms=_percentile(times_ms, 90)
-    )
-    row["device_median_ms"] = None
-    if cuda:  # the same call behind a ~0.5 ms GPU sleep: the host launches it meanwhile, events time the device
-        dev_ms: list[float] = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            torch.cuda._sleep(1_000_000)
-            start.record()
-            out = fn()
-            end.record()
-            end.synchronize()
-            dev_ms.append(start.elapsed_time(end))
             del out
-        row["device_median_ms"] = statistics.median(dev_ms)
+    row.update(median_ms=statistics.median(times_ms), p10_ms=percentile(times_ms, 10), p90_ms=percentile(times_ms, 90))
+    # CUDA: the same call behind a ~0.5 ms GPU sleep: the host launches it meanwhile, the events time the device
+    row["device_median_ms"] = statistics.median(_cuda_times(fn, device, repeats, busy=True)) if cuda else None
     return row
 
 

@@ -34,6 +34,12 @@ from perfkit.runtime.attention.torch_paged import kv_write_target, write_layer_k
 from perfkit.runtime.kv_cache import SLIDING_POOL, PagedKVCache
 from perfkit.runtime.page_table import AttentionMetadata
 
+
+def window_left(window: int | None) -> int:
+    """FlashInfer's ``window_left`` for a pool whose query sees keys j with i - j < W: W - 1; -1 = no window."""
+    return window - 1 if window is not None else -1
+
+
 TENSOR_CORE_MAX_BATCH = 1  # small-group pools use tensor-core decode up to this batch (measured, see below)
 
 
@@ -135,8 +141,7 @@ class FlashInferBackend:
         self._active = {}
         for pool, pt in meta.pools.items():
             spec = self.kv.specs[pool]
-            wl = spec.window - 1 if spec.window is not None else -1
-            common = dict(window_left=wl, sm_scale=1.0, q_data_type=self.q_dtype, kv_data_type=kv_dtype)
+            common = dict(window_left=window_left(spec.window), sm_scale=1.0, q_data_type=self.q_dtype, kv_data_type=kv_dtype)
             dec = pre = None
             if nd:
                 dec = (self.graph_decode[meta.graph_batch_size][pool] if meta.graph_batch_size
