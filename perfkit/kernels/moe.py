@@ -44,6 +44,16 @@ Sorted path (prefill / large batches; grouped tensor-core GEMMs)::
     DRAM once per step (per N tile). Tiles: decode-sized (T*K <= 1024) BLOCK_M 16 with narrow N tiles for SM
     coverage; prefill BLOCK_M 64.
 
+Quantised experts (:func:`fused_moe_quantized`, :class:`QuantExpertWeights`; NVFP4 and FP8 checkpoints of 26B-A4B):
+the sorted path with the same align step and the same two grouped GEMMs, whose weight tiles are dequantised in
+registers (``_moe_gemm_q_kernel``). NVFP4 tiles decode exactly as the W4A16 GEMM's (``w4a16_gemm._dequant_tile``:
+e2m1 * e4m3 is exact in bf16), FP8 tiles are e4m3 converted to bf16 (exact); each feeds a tensor-core dot, and
+the per-row scale (the NVFP4 global scale, per row so gate and up may differ; the FP8 channel scale) multiplies
+the accumulator in the epilogue. Weight-only: x stays in its dtype. Weight bytes per active expert: 0.56 B
+(NVFP4) / 1 B (FP8) per element instead of 2. Why not the per-expert loop the quantised experts used before:
+its ``bincount(...).tolist()`` synced every MoE layer and launched 2 GEMMs per active expert (~128 per layer at
+batch 64): 1.33 s per decode step on the H200 at c64, and no decode graph captured above batch 8.
+
 Math: bf16 (or fp32) operands, fp32 accumulation (fp32 inputs use IEEE dots, no TF32), outputs in x's dtype.
 Under ``TRITON_INTERPRET=1`` the sorted kernel upcasts its bf16 tiles to fp32 before ``tl.dot`` (``UPCAST``: the
 interpreter's bf16 dot multiplies the raw uint16 bits); the gather kernels always convert their bf16 loads to
@@ -60,15 +70,18 @@ import functools
 import json
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from perfkit.kernels.timing import graph_ms
+from perfkit.kernels.w4a16_gemm import _asm, _dequant_tile, _e4m3_times_2m8, _words, dequantize_nvfp4
 
 HBM_BYTES_PER_S = 4.3e12  # achievable H200 DRAM bandwidth used for "% of bound" (as in w4a16_gemm)
 MOE_PATHS = ("auto", "gather", "sorted")
+QUANT_EXPERT_FORMATS = ("nvfp4", "fp8")
 # path="auto": T*K at or below this takes the gather path. H200 sweep (docs/h200-runs/2026-12-01b/2-moe-sweep.txt):
 # gather beats sorted up to 64 pairs (T=8: 194 vs 214 us) and loses from 128 (T=16: 327 vs 298 us)
 MOE_GATHER_MAX_PAIRS = 64
@@ -188,6 +201,114 @@ def _moe_gemm_kernel(
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_bk
         if GELU_MUL:
+            acc = _gelu_tanh_f32(acc) * acc_u
+        if MUL_W:
+            acc = acc * tl.load(topw_ptr + ids, mask=valid, other=0.0)[:, None]
+        c_ptrs = c_ptr + ids.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _moe_gemm_q_kernel(
+    a_ptr,  # [T, Kd] tokens (A_BY_TOKEN) or [T*top_k, Kd] pair rows, bf16 / fp16 / fp32
+    w_ptr,  # NVFP4: int32 words [E, Nw, Kd/8] of the packed e2m1 codes; FP8: float8_e4m3fn [E, Nw, Kd]
+    s_ptr,  # NVFP4: uint8 raw e4m3 block scales [E, Nw, Kd/16]; FP8: unused (pass w_ptr)
+    rs_ptr,  # fp32 [E, Nw] per-row scale: the NVFP4 global scale, or the FP8 channel scale
+    c_ptr,  # [T*top_k, N] out, pair order
+    sorted_ids_ptr,  # as _moe_gemm_kernel
+    block_expert_ptr,
+    topw_ptr,
+    N,
+    Kd,
+    E,
+    num_pairs,
+    top_k,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_re,
+    stride_cm,
+    A_BY_TOKEN: tl.constexpr,
+    GELU_MUL: tl.constexpr,
+    MUL_W: tl.constexpr,
+    NVFP4: tl.constexpr,
+    IEEE: tl.constexpr,  # fp32 activations or the interpreter: fp32 dot; else the exact tile in x's dtype
+    ASM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """_moe_gemm_kernel with quantised expert weights, dequantised in registers (module doc, "Quantised
+    experts"): each [BLOCK_N, BLOCK_K] weight tile is decoded once per program step and fed to one tensor-core dot
+    per row block, the per-row scale applied in the epilogue. Weight-only: x is not quantised."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < E:
+        ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = ids < num_pairs
+        if A_BY_TOKEN:
+            arow = ids // top_k
+        else:
+            arow = ids
+        arow = tl.where(valid, arow, 0).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < N
+        rn = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped columns are computed, not stored
+        offs_k = tl.arange(0, BLOCK_K)
+        e64 = e.to(tl.int64)
+        a_ptrs = a_ptr + arow[:, None] * stride_am + offs_k[None, :]
+        if NVFP4:
+            G: tl.constexpr = BLOCK_K // 16
+            g = tl.arange(0, G)
+            h = tl.arange(0, 2)
+            w_rows = tl.multiple_of(rn * stride_wn, 2)  # Kd % 16 == 0: rows start on 8-byte word pairs
+            w_ptrs = w_ptr + e64 * stride_we + w_rows[:, None, None] + (2 * g[:, None] + h[None, :])[None, :, :]
+            s_ptrs = s_ptr + e64 * stride_se + rn[:, None] * stride_sn + g[None, :]
+        else:
+            w_ptrs = w_ptr + e64 * stride_we + rn[:, None] * stride_wn + offs_k[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, Kd, BLOCK_K):
+            km = offs_k < Kd - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
+            if IEEE:
+                a = a.to(tl.float32)
+            if NVFP4:
+                g_ok = (k0 // 16 + g) < Kd // 16
+                w = tl.load(w_ptrs, mask=g_ok[None, :, None], other=0)
+                sf = (_e4m3_times_2m8(tl.load(s_ptrs, mask=g_ok[None, :], other=0)) * 4194304.0)[:, :, None]
+                tile = _dequant_tile(w.to(tl.uint32, bitcast=True), sf, ASM)  # [BN, BK] fp32, exact
+            else:
+                tile = tl.load(w_ptrs, mask=km[None, :], other=0.0).to(tl.float32)  # e4m3 -> fp32, exact
+            if IEEE:
+                acc = tl.dot(a, tl.trans(tile), acc, input_precision="ieee")
+            else:  # e2m1 * e4m3 and e4m3 are exact in bf16 / fp16
+                acc = tl.dot(a, tl.trans(tile.to(a.dtype)), acc)
+            if GELU_MUL:  # the up rows [N, 2N) of the same expert
+                if NVFP4:
+                    wu = tl.load(w_ptrs + N * stride_wn, mask=g_ok[None, :, None], other=0)
+                    su = tl.load(s_ptrs + N * stride_sn, mask=g_ok[None, :], other=0)
+                    tile = _dequant_tile(
+                        wu.to(tl.uint32, bitcast=True), (_e4m3_times_2m8(su) * 4194304.0)[:, :, None], ASM
+                    )
+                else:
+                    tile = tl.load(w_ptrs + N * stride_wn, mask=km[None, :], other=0.0).to(tl.float32)
+                if IEEE:
+                    acc_u = tl.dot(a, tl.trans(tile), acc_u, input_precision="ieee")
+                else:
+                    acc_u = tl.dot(a, tl.trans(tile.to(a.dtype)), acc_u)
+            a_ptrs += BLOCK_K
+            if NVFP4:
+                w_ptrs += BLOCK_K // 8
+                s_ptrs += G
+            else:
+                w_ptrs += BLOCK_K
+        acc = acc * tl.load(rs_ptr + e64 * stride_re + rn)[None, :]
+        if GELU_MUL:
+            acc_u = acc_u * tl.load(rs_ptr + e64 * stride_re + N + rn)[None, :]
             acc = _gelu_tanh_f32(acc) * acc_u
         if MUL_W:
             acc = acc * tl.load(topw_ptr + ids, mask=valid, other=0.0)[:, None]
@@ -414,6 +535,18 @@ def _fused_moe_gather(
     return _gather_down(act, w_down, idx, topw, K, _gather_tiles(GATHER_DOWN_TILES, down_tiles, H, inter), x.dtype)
 
 
+def _sorted_plan(
+    topk_w: torch.Tensor, topk_idx: torch.Tensor, E: int, inter: int, H: int, block_m: int | None
+) -> tuple[dict[str, int], dict[str, int], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sorted path's tiles (gate_up, down), its align step and the flat fp32 routing weights."""
+    P = topk_idx.numel()
+    t1, t2 = _fit(_tiles(P, "gate_up"), inter, H), _fit(_tiles(P, "down"), H, inter)
+    bm = block_m or t1["BLOCK_M"]
+    t1["BLOCK_M"] = t2["BLOCK_M"] = bm
+    sorted_ids, block_expert = moe_align(topk_idx, E, bm)
+    return t1, t2, sorted_ids, block_expert, topk_w.reshape(-1).to(torch.float32).contiguous()
+
+
 def _fused_moe_sorted(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -426,15 +559,11 @@ def _fused_moe_sorted(
     T, H = x.shape
     E, inter, K = w_gate_up.shape[0], w_down.shape[2], topk_idx.shape[1]
     P = T * K
-    t1, t2 = _fit(_tiles(P, "gate_up"), inter, H), _fit(_tiles(P, "down"), H, inter)
-    bm = block_m or t1["BLOCK_M"]
-    t1["BLOCK_M"] = t2["BLOCK_M"] = bm
-    sorted_ids, block_expert = moe_align(topk_idx, E, bm)
+    t1, t2, sorted_ids, block_expert, w_flat = _sorted_plan(topk_w, topk_idx, E, inter, H, block_m)
     n_blocks = block_expert.numel()
     upcast = os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32
     prec = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
     act = torch.empty((P, inter), dtype=x.dtype, device=x.device)
-    w_flat = topk_w.reshape(-1).to(torch.float32).contiguous()
     _moe_gemm_kernel[(n_blocks, triton.cdiv(inter, t1["BLOCK_N"]))](
         x, w_gate_up, act, sorted_ids, block_expert, w_flat,
         inter, H, E, P, K, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2), act.stride(0),
@@ -446,6 +575,113 @@ def _fused_moe_sorted(
         H, inter, E, P, K, act.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), y.stride(0),
         A_BY_TOKEN=False, GELU_MUL=False, MUL_W=True, DOT_PRECISION=prec, UPCAST=upcast, **t2,
     )  # fmt: skip
+    return y.view(T, K, H).sum(dim=1)
+
+
+@dataclass(frozen=True)
+class QuantExpertWeights:
+    """One stacked, quantised expert projection of logical shape [E, N, K] (gate_up: N = 2I, gate rows first).
+
+    fmt "nvfp4": ``values`` uint8 [E, N, K/2] (e2m1 codes, low nibble first), ``block_scale`` float8_e4m3fn
+    [E, N, K/16], ``row_scale`` fp32 [E, N] (the global scale, per row: gate and up may differ).
+    fmt "fp8": ``values`` float8_e4m3fn [E, N, K], ``block_scale`` None, ``row_scale`` fp32 [E, N] (per channel).
+    """
+
+    fmt: str
+    values: torch.Tensor
+    block_scale: torch.Tensor | None
+    row_scale: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.fmt not in QUANT_EXPERT_FORMATS:
+            raise ValueError(f"fmt {self.fmt!r} must be one of {', '.join(QUANT_EXPERT_FORMATS)}")
+        E, N, k = self.values.shape
+        K = 2 * k if self.fmt == "nvfp4" else k
+        if self.fmt == "nvfp4":
+            ok = self.values.dtype == torch.uint8 and self.block_scale is not None and K % 16 == 0
+            ok = ok and tuple(self.block_scale.shape) == (E, N, K // 16)
+        else:
+            ok = self.values.dtype == torch.float8_e4m3fn and self.block_scale is None
+        if not ok or tuple(self.row_scale.shape) != (E, N):
+            raise ValueError(
+                f"{self.fmt} expert weights: values {self.values.dtype} {tuple(self.values.shape)}, block_scale "
+                f"{None if self.block_scale is None else tuple(self.block_scale.shape)}, row_scale "
+                f"{tuple(self.row_scale.shape)} (class doc: the expected layout)"
+            )
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        E, N, k = self.values.shape
+        return E, N, 2 * k if self.fmt == "nvfp4" else k
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [E, N, K] (the reference's weights)."""
+        if self.fmt == "nvfp4":
+            return dequantize_nvfp4(self.values, self.block_scale, self.row_scale)
+        return self.values.float() * self.row_scale[..., None]
+
+
+def _moe_gemm_q(
+    a: torch.Tensor,
+    wq: QuantExpertWeights,
+    out: torch.Tensor,
+    n: int,
+    sorted_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    w_flat: torch.Tensor,
+    top_k: int,
+    tiles: dict[str, int],
+    stage: str,
+) -> torch.Tensor:
+    """One grouped GEMM of the quantised sorted path: stage "gate_up" (rows of tokens, GeGLU fused) or "down"
+    (rows of pairs, routing weight fused); ``out`` [P, n]."""
+    E, _, kd = wq.shape
+    rs = wq.row_scale.to(torch.float32).contiguous()
+    if wq.fmt == "nvfp4":
+        w, s = _words(wq.values), wq.block_scale.contiguous().view(torch.uint8)
+        s_strides = (s.stride(0), s.stride(1))
+    else:
+        w = s = wq.values.contiguous()
+        s_strides = (0, 0)
+    gate_up = stage == "gate_up"
+    _moe_gemm_q_kernel[(block_expert.numel(), triton.cdiv(n, tiles["BLOCK_N"]))](
+        a, w, s, rs, out, sorted_ids, block_expert, w_flat,
+        n, kd, E, w_flat.numel(), top_k, a.stride(0), w.stride(0), w.stride(1), *s_strides, rs.stride(0),
+        out.stride(0), A_BY_TOKEN=gate_up, GELU_MUL=gate_up, MUL_W=not gate_up, NVFP4=wq.fmt == "nvfp4",
+        IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", ASM=_asm(), **tiles,
+    )  # fmt: skip
+    return out
+
+
+def fused_moe_quantized(
+    x: torch.Tensor,
+    gate_up: QuantExpertWeights,
+    down: QuantExpertWeights,
+    topk_w: torch.Tensor,
+    topk_idx: torch.Tensor,
+    *,
+    block_m: int | None = None,
+) -> torch.Tensor:
+    """:func:`fused_moe`'s sorted path with NVFP4 or FP8 expert weights (module doc, "Quantised experts"):
+    x [T, H], gate_up [E, 2I, H], down [E, H, I] (logical shapes), topk_w / topk_idx [T, K] -> [T, H] in x's
+    dtype. Any T, no host sync (CUDA-graph capturable)."""
+    T, H = x.shape
+    E, two_i, H2 = gate_up.shape
+    inter = two_i // 2
+    if gate_up.fmt != down.fmt or H2 != H or down.shape != (E, H, inter) or topk_idx.shape != topk_w.shape:
+        raise ValueError(
+            f"shapes: x {tuple(x.shape)}, gate_up {gate_up.fmt} {gate_up.shape}, down {down.fmt} {down.shape}, "
+            f"w {tuple(topk_w.shape)}, idx {tuple(topk_idx.shape)}"
+        )
+    K = topk_idx.shape[1]
+    if T * K == 0:
+        return torch.zeros_like(x)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    t1, t2, sorted_ids, block_expert, w_flat = _sorted_plan(topk_w, topk_idx, E, inter, H, block_m)
+    act = torch.empty((T * K, inter), dtype=x.dtype, device=x.device)
+    _moe_gemm_q(x, gate_up, act, inter, sorted_ids, block_expert, w_flat, K, t1, "gate_up")
+    y = torch.empty((T * K, H), dtype=x.dtype, device=x.device)
+    _moe_gemm_q(act, down, y, H, sorted_ids, block_expert, w_flat, K, t2, "down")
     return y.view(T, K, H).sum(dim=1)
 
 
@@ -577,8 +813,6 @@ GATHER_VARIANTS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "wide": ({"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 8}, {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 8}),
 }
 SWEEP_TOKENS = (1, 2, 4, 8, 16, 64)
-
-
 
 
 def bench_fused_moe(

@@ -54,6 +54,7 @@ from perfkit.kernels.fp8 import (
     fp8_supported,
     quantize_fp8_rowwise,
 )
+from perfkit.kernels.moe import QuantExpertWeights, fused_moe_quantized
 from perfkit.kernels.w4a16_gemm import (
     dequantize_nvfp4,
     quantize_nvfp4,
@@ -96,6 +97,16 @@ def nvfp4_backend(device: torch.device | str) -> str:
 
 def fp8_backend(device: torch.device | str) -> str:
     return "fp8-scaled-mm" if fp8_supported(device) else "fp8-ref"
+
+
+def expert_backend(scheme: str, device: torch.device | str) -> str:
+    """``QuantizedExperts.backend``: the Triton kernels (``w4a16-triton`` / ``fp8-triton``) on CUDA and on CPU
+    under the interpreter, else torch dequantisation (``w4a16-ref`` / ``fp8-dequant``). NVFP4 experts use the
+    W4A16 kernels on sm_100 too (FlashInfer's FP4 GEMM has no grouped form here)."""
+    triton_ok = torch.device(device).type == "cuda" or _interpreting()
+    if scheme == "nvfp4":
+        return "w4a16-triton" if triton_ok else "w4a16-ref"
+    return "fp8-triton" if triton_ok else "fp8-dequant"
 
 
 def _flat(x: Tensor) -> Tensor:
@@ -284,7 +295,14 @@ def _pad_rows(t: Tensor, multiple: int) -> Tensor:
 
 class QuantizedExperts(nn.Module):
     """Replacement for ``Gemma4Experts`` with quantised stacked weights; same forward signature
-    ``(x [T, H], idx [T, K], w [T, K]) -> [T, H]`` and the same gather (decode) / sorted (prefill) split."""
+    ``(x [T, H], idx [T, K], w [T, K]) -> [T, H]``.
+
+    Backends (``expert_backend``): ``w4a16-triton`` (NVFP4) gathers the routed experts' weights through the
+    W4A16 gemv up to ``gather_max_rows`` pairs and runs the grouped, in-register-dequantising Triton GEMMs of
+    ``fused_moe_quantized`` above; ``fp8-triton`` runs those grouped GEMMs at every size. Both are sync-free, so
+    decode graphs capture at every batch. (Until 12-01 the sorted side looped over the 128 experts with a host
+    sync: 26B-A4B NVFP4 decode at c64 took 1.33 s per step and no graph above batch 8 captured.)
+    ``w4a16-ref`` / ``fp8-dequant`` (CPU without the interpreter) dequantise in torch, a loop over the experts."""
 
     gather_max_rows = 64
 
@@ -319,11 +337,20 @@ class QuantizedExperts(nn.Module):
             q, s, gs = quantize_nvfp4(dn)  # gs [E]
             m.down_proj, m.down_proj_weight_scale = q, s
             m.down_proj_weight_scale_2 = gs[:, None].expand(E, H).contiguous()
-            m.backend = "w4a16-triton" if nvfp4_backend(gu.device) != "w4a16-ref" else "w4a16-ref"
         else:
             m.gate_up_proj, m.gate_up_proj_weight_scale = quantize_fp8_rowwise(gu)
             m.down_proj, m.down_proj_weight_scale = quantize_fp8_rowwise(dn)
+        m.backend = expert_backend(scheme, gu.device)
         return m
+
+    def quant_weights(self, name: str) -> QuantExpertWeights:
+        """``gate_up_proj`` / ``down_proj`` as the grouped kernels' :class:`QuantExpertWeights` (views, no copy)."""
+        if self.scheme == "nvfp4":
+            return QuantExpertWeights(
+                "nvfp4", getattr(self, name), getattr(self, f"{name}_weight_scale"),
+                getattr(self, f"{name}_weight_scale_2"),
+            )  # fmt: skip
+        return QuantExpertWeights("fp8", getattr(self, name), None, getattr(self, f"{name}_weight_scale"))
 
     def _dequant(self, name: str, e: Tensor | int) -> Tensor:
         """fp32 weights of expert(s) ``e`` (an index or an index tensor): [..., N, K]."""
@@ -353,7 +380,10 @@ class QuantizedExperts(nn.Module):
         return (self._dequant(name, ids) @ x.float()[:, :, None])[:, :, 0].to(x.dtype)
 
     def forward(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
-        if idx.numel() <= self.gather_max_rows:
+        small = idx.numel() <= self.gather_max_rows
+        if self.backend == "fp8-triton" or (self.backend == "w4a16-triton" and not small):
+            return fused_moe_quantized(x, self.quant_weights("gate_up_proj"), self.quant_weights("down_proj"), w, idx)
+        if small:
             return self.forward_gather(x, idx, w)
         return self.forward_sorted(x, idx, w)
 
@@ -370,6 +400,7 @@ class QuantizedExperts(nn.Module):
         return y.view(T, K, -1).sum(dim=1)
 
     def forward_sorted(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+        """The torch path (CPU without the interpreter): a loop over the routed experts."""
         T, K = idx.shape
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -473,7 +504,7 @@ def quantize_model_(model: nn.Module, scheme: str, include_experts: bool = True)
         after += _tensor_bytes(q)
         setattr(parent, attr, q)
         n_lin += 1
-    expert_backend = None
+    experts_backend = None
     if include_experts:
         for layer in model.layers:
             experts = getattr(layer, "experts", None)
@@ -483,12 +514,12 @@ def quantize_model_(model: nn.Module, scheme: str, include_experts: bool = True)
             before += _tensor_bytes(experts)
             after += _tensor_bytes(q)
             layer.experts = q
-            expert_backend = q.backend
+            experts_backend = q.backend
             n_exp += 1
     report = QuantReport(
         scheme=scheme,
         backend=fp8_backend(device) if scheme == "fp8" else nvfp4_backend(device),
-        expert_backend=expert_backend,
+        expert_backend=experts_backend,
         quantized_bytes_before=before,
         quantized_bytes_after=after,
         model_bytes_before=model_before,
@@ -617,12 +648,12 @@ def load_nvfp4_checkpoint(
         if isinstance(mod, Nvfp4Linear):
             mod.backend = nvfp4_backend(device)
         elif isinstance(mod, QuantizedExperts):
-            mod.backend = "w4a16-triton" if nvfp4_backend(device) != "w4a16-ref" else "w4a16-ref"
+            mod.backend = expert_backend("nvfp4", device)
     model.eval()
     model.setup_rope()
     model.quant_report = QuantReport(
         scheme="nvfp4", backend=nvfp4_backend(device),
-        expert_backend=("w4a16-triton" if nvfp4_backend(device) != "w4a16-ref" else "w4a16-ref") if n_exp else None,
+        expert_backend=expert_backend("nvfp4", device) if n_exp else None,
         quantized_bytes_before=0, quantized_bytes_after=0, model_bytes_before=0,
         model_bytes_after=_tensor_bytes(model), num_linear=n_lin, num_expert_modules=n_exp, kept=kept,
     )  # fmt: skip
