@@ -217,6 +217,20 @@ def test_w4a16_split_k_is_correct_and_deterministic(path):
     _assert_w4a16_close(w4a16_gemm(x, q, s, gs, config=SPLIT_TILES[path], path=path), x, q, s, gs)  # bf16 out
 
 
+def test_w4a16_gemv_prefetch_two_steps_is_bit_identical():
+    """prefetch=2 keeps two weight steps in flight; the accumulation order is unchanged, so the result is
+    bit-identical to prefetch=1 (K tails and 1-3 steps per split included)."""
+    for M, K, bk in ((1, 208, 32), (3, 208, 64), (2, 64, 32), (1, 32, 32)):
+        x, q, s, gs = _operands(M, 40, K, torch.bfloat16, seed=20 + M, per_row_gs=True)
+        one = W4A16Config(block_m=4, block_n=16, block_k=bk, num_warps=4, num_stages=1)
+        two = dataclasses.replace(one, prefetch=2)
+        out = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=two, path="gemv")
+        assert torch.equal(out, w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=one, path="gemv"))
+        _assert_w4a16_close(out, x, q, s, gs)
+    with pytest.raises(ValueError, match="bad gemv config"):
+        w4a16_gemm(x, q, s, gs, config=dataclasses.replace(one, prefetch=3), path="gemv")
+
+
 def test_w4a16_split_k_rule():
     """split-K only below GEMV_MIN_PROGRAMS_PER_SM programs per SM (the CPU counts as one SM), at most
     MAX_SPLIT_K and the number of K steps; whole K steps per split."""

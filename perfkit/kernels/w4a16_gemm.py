@@ -206,6 +206,7 @@ def _w4a16_gemv_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
     PER_ROW_EXPERT: tl.constexpr,
     ASM: tl.constexpr,  # inline-PTX fp16 -> fp32 of the decoded pairs (GPU; not the interpreter)
+    PREFETCH: tl.constexpr,  # weight steps in flight while one is decoded: 1 or 2 (register buffers)
 ):
     pid_m = tl.program_id(0)  # fastest: the programs sharing a weight tile run together (L2)
     pid_n = tl.program_id(1)
@@ -243,10 +244,14 @@ def _w4a16_gemv_kernel(
         acc3 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
 
     w, s = _gemv_tile(w_ptrs, s_ptrs, k_lo, k_hi, g)
+    if PREFETCH == 2:
+        w_ptrs += BLOCK_K // 8
+        s_ptrs += G
+        w1, s1 = _gemv_tile(w_ptrs, s_ptrs, k_lo + BLOCK_K, k_hi, g)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         w_ptrs += BLOCK_K // 8
         s_ptrs += G
-        w_next, s_next = _gemv_tile(w_ptrs, s_ptrs, k0 + BLOCK_K, k_hi, g)  # in flight meanwhile
+        w_next, s_next = _gemv_tile(w_ptrs, s_ptrs, k0 + PREFETCH * BLOCK_K, k_hi, g)  # in flight meanwhile
         sf = _e4m3_times_2m8(s) * 4194304.0  # 2^22 undoes 2^-14 * 2^-8
         l0, h0, l1, h1, l2, h2, l3, h3 = _e2m1_decode(w.to(tl.uint32, bitcast=True), ASM)  # once for all rows
         if EVEN_K:  # no x masks (a load with other= needs a mask)
@@ -265,8 +270,14 @@ def _w4a16_gemv_kernel(
             acc3 = _gemv_row(acc3, l0, h0, l1, h1, l2, h2, l3, h3, sf, xp3, x_mask, x_other)
             xp2 += BLOCK_K
             xp3 += BLOCK_K
-        w = w_next
-        s = s_next
+        if PREFETCH == 2:
+            w = w1
+            s = s1
+            w1 = w_next
+            s1 = s_next
+        else:
+            w = w_next
+            s = s_next
 
     gs = tl.load(gs_ptr + rn * gs_stride)
     out_n = out_ptr + pid_k.to(tl.int64) * stride_os + offs_n.to(tl.int64) * stride_on
@@ -444,7 +455,10 @@ class W4A16Config:
     - dot: ``block_m`` x ``block_n`` output tile (both >= 16), ``block_k`` (>= 16).
     - dequant_mm: ``block_n`` x ``block_k`` of the dequantise kernel (``block_m``, ``split_k`` unused).
 
-    ``split_k``: None = chosen from the grid and the SM count (gemv, dot), 1 = never."""
+    ``split_k``: None = chosen from the grid and the SM count (gemv, dot), 1 = never. ``prefetch`` (gemv): weight
+    steps loaded ahead of the one being decoded, in registers (2 doubles the bytes in flight per program: the
+    M=1 gemv is latency-bound at ~1 TB/s with one step ahead; SASS of 8 x 512 x 4 warps: 64 registers, 8
+    programs per SM, 16 KB of weight in flight per SM)."""
 
     block_m: int
     block_n: int
@@ -452,6 +466,7 @@ class W4A16Config:
     num_warps: int
     num_stages: int
     split_k: int | None = None
+    prefetch: int = 1
 
 
 # gemv: 16 weight rows x 1024 K = 8 KB of weight per program and step (another step in flight), 96 registers
@@ -504,10 +519,10 @@ def _validate_config(cfg: W4A16Config, path: str) -> None:
     lo = 16 if path == "dot" else 1
     ok = pow2(cfg.block_n) and pow2(cfg.block_k) and cfg.block_k >= 16 and cfg.block_n >= lo
     ok = ok and pow2(cfg.block_m) and (path != "dot" or cfg.block_m >= 16) and pow2(cfg.num_warps)
-    ok = ok and (cfg.split_k is None or cfg.split_k >= 1) and cfg.num_stages >= 1
+    ok = ok and (cfg.split_k is None or cfg.split_k >= 1) and cfg.num_stages >= 1 and cfg.prefetch in (1, 2)
     if not ok:
         raise ValueError(
-            f"bad {path} config {cfg}: block sizes must be powers of two, block_k >= 16"
+            f"bad {path} config {cfg}: block sizes must be powers of two, block_k >= 16, prefetch 1 or 2"
             + (", block_m and block_n >= 16" if path == "dot" else "")
         )
 
@@ -622,7 +637,8 @@ def _launch_gemv(
         x.stride(0), words.stride(-2), scales.stride(-2), stride_os, N, 1,
         gs_stride, stride_we, stride_se, stride_ge, k_per_split,
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-        PER_ROW_EXPERT=per_row, ASM=_asm(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PER_ROW_EXPERT=per_row, ASM=_asm(), PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return out if split == 1 else _finish_split(target, out)
 
@@ -1011,6 +1027,10 @@ SWEEP_CONFIGS: dict[str, tuple[W4A16Config | None, ...]] = {
         W4A16Config(block_m=4, block_n=32, block_k=512, num_warps=4, num_stages=1),
         W4A16Config(block_m=4, block_n=32, block_k=1024, num_warps=8, num_stages=1),
         W4A16Config(block_m=4, block_n=32, block_k=512, num_warps=4, num_stages=1, split_k=2),
+        W4A16Config(block_m=4, block_n=8, block_k=512, num_warps=4, num_stages=1, prefetch=2),
+        W4A16Config(block_m=4, block_n=8, block_k=256, num_warps=2, num_stages=1, prefetch=2),
+        W4A16Config(block_m=4, block_n=4, block_k=512, num_warps=4, num_stages=1, prefetch=2),
+        W4A16Config(block_m=4, block_n=8, block_k=512, num_warps=4, num_stages=2),
     ),
     "dot": (
         None,  # DOT_SMALL_CONFIG (M <= 64) / DOT_LARGE_CONFIG
