@@ -931,8 +931,6 @@ def w4a16_gemm_traffic(M: int, N: int, K: int, act_bytes: int = 2, out_bytes: in
     }
 
 
-
-
 def _bench_weights(N: int, K: int, dtype: torch.dtype, seed: int, device: str):
     gen = torch.Generator(device=device).manual_seed(seed)
     w = torch.randn(N, K, device=device, generator=gen) * 0.02
