@@ -4,7 +4,8 @@ Format of one quantised [N, K] linear: ``weight`` float8_e4m3fn [N, K], ``weight
 (``amax(|W[n, :]|) / 448``), so ``dequant(W)[n, k] = float(weight[n, k]) * weight_scale[n]``.
 
 - :func:`fp8_linear`: quantise x per token (row-wise ``amax / 448``), then ``torch._scaled_mm`` with row-wise
-  scales (cuBLASLt / CUTLASS, needs sm_89+, bf16 output, K and N multiples of 16). No host sync.
+  scales (cuBLASLt / CUTLASS, needs sm_89+, bf16 output, K and N multiples of 16). No host sync. For small M
+  (decode) see :func:`perfkit.kernels.fp8_gemv.fp8_gemv`: a weight-only Triton GEMV, x not quantised.
 - :func:`fp8_linear_ref`: the same numerics in torch on any device: fake-quantise x per token (unless
   ``quantize_input=False``), dequantise W, multiply in fp32.
 - :func:`fp8_per_tensor_scale`: ``amax / 448`` helper (e.g. for an FP8 KV cache's per-tensor scales).
