@@ -70,9 +70,10 @@ from perfkit.kernels.timing import graph_ms
 from perfkit.kernels.w4a16_gemm import HBM_BYTES_PER_S
 
 # The largest flattened M that Fp8Linear (backend fp8-scaled-mm) sends to fp8_gemv instead of the W8A8
-# scaled_mm path. A guess (= GEMV_CONFIG.block_m: one program row tile, the weight streamed once) until the H200
-# sweep (`python3 -m perfkit.kernels.fp8_gemv --sweep`, summary row "max_m") sets it.
-FP8_GEMV_MAX_M = 8
+# scaled_mm path, from the H200 sweep (`python3 -m perfkit.kernels.fp8_gemv --sweep`, 12-01c): summed over the
+# six 31B shapes with the default tile, the gemv takes 363 us at M=1 against 476 us for scaled_mm (and 418 us for
+# bf16 cuBLAS), but 494 vs 479 us at M=2 and 720 vs 479 us at M=4 (one CUDA-core FMA per weight byte per row).
+FP8_GEMV_MAX_M = 1
 MIN_PROGRAMS_PER_SM = 2  # below this many programs per SM the gemv splits K
 MAX_SPLIT_K = 8
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -469,12 +469,14 @@ class W4A16Config:
     prefetch: int = 1
 
 
-# gemv: 16 weight rows x 1024 K = 8 KB of weight per program and step (another step in flight), 96 registers
-# (sm_90, no spills, ~5.9 SASS instructions per weight element at M=1). dot: wgmma tiles (BLOCK_M >= 64), no
-# spills at 128 registers; decode-sized M wastes MMA rows, which are cheap next to the dequantisation.
-# Defaults are the sweep's best per M range: gemv 8 x 512 with 4 warps (M=1); dot 16 x 64 x 128 (M 2-16) and
-# 64 x 64 x 128 (M 17-64), 3 stages; the 128 x 128 x 64 tile for larger M (dot loses to dequant_mm there).
-GEMV_CONFIG = W4A16Config(block_m=4, block_n=8, block_k=512, num_warps=4, num_stages=1)
+# gemv: 4 weight rows x 512 K = 1 KB of weight per program and step, two more steps in flight (prefetch=2):
+# 32 registers (sm_90 compile, no spills), so many programs per SM keep enough bytes in flight. The M=1 gemv is
+# latency-bound (Little's law), not issue-bound (~6.4 SASS instructions per weight element): on the H200 sweep of
+# 12-01c it beat the previous default (8 x 512, one step ahead) on all five 31B shapes, by 8-14 % (5376 x 21504:
+# 55.2 vs 62.9 us). dot: wgmma tiles (BLOCK_M >= 64), no spills at 128 registers; decode-sized M wastes MMA
+# rows, which are cheap next to the dequantisation. dot 16 x 64 x 128 (M 2-16) and 64 x 64 x 128 (M 17-64),
+# 3 stages; the 128 x 128 x 64 tile for larger M (dot loses to dequant_mm there): the 12-01b sweep's best.
+GEMV_CONFIG = W4A16Config(block_m=4, block_n=4, block_k=512, num_warps=4, num_stages=1, prefetch=2)
 DOT_TINY_CONFIG = W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 DOT_SMALL_CONFIG = W4A16Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
 DOT_LARGE_CONFIG = W4A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
@@ -1019,7 +1021,7 @@ SWEEP_PATHS = ("gemv", "dot", "dequant_mm")
 # wgmma 64- and 128-row ones. All compile for sm_90 without spills.
 SWEEP_CONFIGS: dict[str, tuple[W4A16Config | None, ...]] = {
     "gemv": (
-        None,  # GEMV_CONFIG: 16 x 1024, 8 warps
+        None,  # GEMV_CONFIG: 4 x 512, 4 warps, prefetch 2
         W4A16Config(block_m=4, block_n=8, block_k=512, num_warps=4, num_stages=1),
         W4A16Config(block_m=4, block_n=16, block_k=512, num_warps=4, num_stages=1),
         W4A16Config(block_m=4, block_n=32, block_k=512, num_warps=4, num_stages=1),
