@@ -17,6 +17,18 @@ def test_graph_batch_sizes():
     assert graph_batch_sizes(3) == [1, 2, 3]
 
 
+def test_logits_into_a_buffer_are_bit_identical():
+    """The decode graphs' shared logits buffer: model.logits(h, out=) writes the same fp32 soft-capped values in
+    place (and returns the buffer) as the allocating path."""
+    model = build_model(get_preset("tiny"), "cpu", torch.float32, seed=0)
+    assert model.cfg.final_logit_softcapping  # the in-place div / tanh / mul path is exercised
+    h = torch.randn(5, model.cfg.hidden_size)
+    buf = torch.full((8, model.cfg.vocab_size), float("nan"))
+    out = model.logits(h, out=buf[:5])
+    assert out.data_ptr() == buf.data_ptr() and torch.equal(out, model.logits(h))
+    assert buf[5:].isnan().all()
+
+
 def test_bytes_per_page_31b():
     cfg = get_preset("31b")
     specs = pool_specs(cfg.attn_layers())

@@ -6,7 +6,8 @@ requests replays the smallest captured size >= B; the B..size-1 rows are dummy r
 graph-mode decode wrapper set (flashinfer.md §6: the batch size is frozen per wrapper); `plan()` runs on the
 host before every replay (never inside the graph).
 
-What the graph holds: the decoder layers and the LM head. The embedding, PLE inputs and RoPE lookup run
+What the graph holds: the decoder layers and the LM head, which writes into one static logits buffer shared by
+every size (so the graphs' memory is the largest size's intermediates, not a sum of per-size outputs). The embedding, PLE inputs and RoPE lookup run
 eagerly before the replay and write into static buffers: the model's `embed` builds a small CPU tensor per call
 (an H2D copy that cannot be captured) and `_rope` checks `positions.max()` on the host. RoPE tables are sized to
 max_model_len before capture; the tables used at capture are kept alive and a changed table disables replay.
@@ -55,6 +56,9 @@ class DecodeGraphs:
         }
         self.slot_page = {p: torch.zeros(n, dtype=torch.long, device=dev) for p in kv_cache.specs}
         self.slot_offset = {p: torch.zeros(n, dtype=torch.long, device=dev) for p in kv_cache.specs}
+        # one logits buffer for every size (views of it are the graphs' outputs): per-graph outputs would all stay
+        # allocated, ~1 MiB per row (fp32, 262K vocab), summed over the sizes
+        self.logits_buf = torch.empty(n, cfg.vocab_size, dtype=torch.float32, device=dev)
         self.logits: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._dummy_tables = HostPageTableBuilder(block_manager, dev, max_tokens=n, max_batch_size=n)
@@ -72,7 +76,7 @@ class DecodeGraphs:
     def _body(self, bs: int) -> torch.Tensor:
         rope = {s: (cs[0][:bs], cs[1][:bs]) for s, cs in self.cos_sin.items()}
         h = self.model.decode_layers(self.h[:bs], rope, self.backend, None if self.ple is None else self.ple[:bs])
-        return self.model.logits(h)
+        return self.model.logits(h, out=self.logits_buf[:bs])
 
     def _static_meta(self, meta: AttentionMetadata, bs: int) -> AttentionMetadata:
         pools = {}

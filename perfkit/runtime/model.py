@@ -629,10 +629,16 @@ class Gemma4ForCausalLM(nn.Module):
             )
         return h
 
-    def logits(self, h: Tensor) -> Tensor:
-        """[N, H] final hidden -> float32 soft-capped logits [N, V] (tied embedding as LM head)."""
-        logits = self._lm_head(self.norm(h)).float()
+    def logits(self, h: Tensor, out: Tensor | None = None) -> Tensor:
+        """[N, H] final hidden -> float32 soft-capped logits [N, V] (tied embedding as LM head).
+
+        out: an fp32 [N, V] buffer to write them into, in place (same values, bit for bit). The decode graphs
+        pass one static buffer shared by every captured size: each graph's own logits output stayed allocated
+        as long as the graph, ~1 MiB per row, so batch sizes up to 1024 held ~33 GB (12-01c, 26B-A4B)."""
+        z = self._lm_head(self.norm(h))
         cap = self.cfg.final_logit_softcapping
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        if out is None:
+            logits = z.float()
+            return torch.tanh(logits / cap) * cap if cap else logits
+        out.copy_(z)
+        return out.div_(cap).tanh_().mul_(cap) if cap else out
