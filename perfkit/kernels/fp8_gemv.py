@@ -255,13 +255,14 @@ class Fp8GemvConfig:
             )
 
 
-# A guess until the H200 sweep: up to 8 rows of x (every M that Fp8Linear routes here in one row tile: the
-# weight is streamed once), 8 weight rows x 1024 K = 8 KB of weight per program and step (the next step in flight),
-# 4 warps; a thread holds 8 rows x 8 B of the step. sm_90 SASS of the loop (offline Triton 3.9 compile, not a
-# timing): 61 registers and ~3.3 instructions per weight byte at M = 1; 130 registers, ~7.0 at M = 4; 203
-# registers (2 programs per SM), ~12 at M = 8. 16 weight rows double the registers (128 at M = 1, 255 at M = 4).
-# 672 programs at N = 5376 (5 per H200 SM: no split-K); larger N has more.
-GEMV_CONFIG = Fp8GemvConfig(block_m=8, block_n=8, block_k=1024, num_warps=4, num_stages=1)
+# From the H200 sweep (12-01c, `3-fp8_gemv_sweep.jsonl`): at M = 1 (all Fp8Linear routes here, FP8_GEMV_MAX_M)
+# 4 weight rows x 1024 K with 4 warps is the best tile over the six 31B shapes (geomean 1.02x the per-shape best;
+# 347 us summed, 36-51 % of the DRAM bound, against 363 us for 8 rows). block_m 8: up to 8 rows of x in one row
+# tile (the weight streamed once) for callers that pass more rows. sm_90 SASS of the loop (offline Triton 3.9
+# compile of the 8-row tile, not a timing): 61 registers and ~3.3 instructions per weight byte at M = 1; 130
+# registers, ~7.0 at M = 4; 203 registers, ~12 at M = 8 (one CUDA-core FMA per weight byte per row: why the
+# gemv loses to scaled_mm from M = 2 on). No split-K at the 31B shapes (>= 1344 programs).
+GEMV_CONFIG = Fp8GemvConfig(block_m=8, block_n=4, block_k=1024, num_warps=4, num_stages=1)
 # The CPU interpreter runs one program at a time in Python (cost ~ programs x ops): one wide tile per problem.
 INTERPRETER_CONFIG = Fp8GemvConfig(block_m=8, block_n=64, block_k=128, num_warps=4, num_stages=1)
 INLINE_ASM_CVT = True  # GPU sm_89+: inline-PTX e4m3 -> fp32 (False: Triton's own conversion)
@@ -442,8 +443,8 @@ SWEEP_MS: tuple[int, ...] = (1, 2, 4, 8)
 # layout) or twice that, one smaller step (x through shared memory), split-K forced off (1) and on (2). block_m = 8
 # everywhere (each program takes min(8, M) rows); 11 tiles x 4 M x 4 tile heights compile in ~1 s each.
 SWEEP_CONFIGS: tuple[Fp8GemvConfig | None, ...] = (
-    None,  # GEMV_CONFIG: 8 x 8 x 1024, 4 warps
-    Fp8GemvConfig(block_m=8, block_n=4, block_k=1024, num_warps=4),
+    None,  # GEMV_CONFIG: 4 weight rows x 1024, 4 warps
+    Fp8GemvConfig(block_m=8, block_n=8, block_k=1024, num_warps=4),  # the first default (12-01c sweep)
     Fp8GemvConfig(block_m=8, block_n=16, block_k=1024, num_warps=4),
     Fp8GemvConfig(block_m=8, block_n=8, block_k=2048, num_warps=4),
     Fp8GemvConfig(block_m=8, block_n=4, block_k=2048, num_warps=8),
