@@ -32,7 +32,7 @@ about 132 SMs x 128 lanes x ~1.9 GHz = ~32e12 thread-instructions/s, ~7.5 per by
 headroom while M = 8 is likely issue-bound on CUDA cores (a tensor-core variant would be the next step there).
 
 Split-K (grid dim 1) when N / BLOCK_N (x M tiles) programs are fewer than ``MIN_PROGRAMS_PER_SM`` per SM (the
-H200 has 132): each split writes its scaled fp32 partial to [S, M, N] and ``_fp8_splitk_reduce_kernel`` sums them
+H200 has 132): each split writes its scaled fp32 partial to [S, M, N] and ``w4a16_gemm._finish_split`` sums them
 in the fixed order 0..S-1 (deterministic, no atomics) and casts.
 
 Numerics: weight-only. x is NOT quantised (unlike ``fp8_linear``, which rounds x per token to e4m3, ~2.5 %
@@ -67,7 +67,7 @@ import triton.language as tl
 
 from perfkit.kernels.fp8 import FP8_DTYPE, dequantize_fp8_rowwise, fp8_linear, fp8_supported, quantize_fp8_rowwise
 from perfkit.kernels.timing import graph_ms
-from perfkit.kernels.w4a16_gemm import HBM_BYTES_PER_S
+from perfkit.kernels.w4a16_gemm import HBM_BYTES_PER_S, _finish_split
 
 # The largest flattened M that Fp8Linear (backend fp8-scaled-mm) sends to fp8_gemv instead of the W8A8
 # scaled_mm path, from the H200 sweep (`python3 -m perfkit.kernels.fp8_gemv --sweep`, 12-01c): summed over the
@@ -194,24 +194,6 @@ def _fp8_gemv_kernel(
     y = tl.sum(acc, axis=2) * scale[None, :]  # [BM, BN]: the groups (lanes and warps) reduced once
     out = out_ptr + pid_k.to(tl.int64) * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
-
-
-@triton.jit
-def _fp8_splitk_reduce_kernel(
-    part_ptr,  # [SPLIT, MN] fp32 partials (already scaled)
-    out_ptr,  # [MN] output
-    MN,
-    SPLIT: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """out = sum of the SPLIT partials, in order 0..SPLIT-1 (bit-reproducible), cast to the output dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < MN
-    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
-    for _ in tl.static_range(1, SPLIT):
-        part_ptr += MN  # (pointer arithmetic: no int32 overflow of i * MN)
-        acc += tl.load(part_ptr + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -388,12 +370,7 @@ def fp8_gemv(
         x.stride(0), words.stride(0), 0 if split == 1 else target.stride(0), N, k_per_split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ASM=_asm(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if split == 1:
-        return out
-    block = 1024
-    MN = M * N
-    _fp8_splitk_reduce_kernel[(triton.cdiv(MN, block),)](target, out, MN, SPLIT=split, BLOCK=block, num_warps=4)
-    return out
+    return out if split == 1 else _finish_split(target, out)  # the W4A16 GEMM's fixed-order reduce
 
 
 # --------------------------------------------------------------------------------------------------------------

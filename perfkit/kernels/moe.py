@@ -139,6 +139,19 @@ def _gelu_tanh_f32(g):
 
 
 @triton.jit
+def _block_rows(sorted_ids_ptr, pid_m, num_pairs, top_k, A_BY_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row block pid_m of the sorted path: its pair ids [BLOCK_M] (pad = num_pairs), which are real, and the
+    row of A each reads (the token p // top_k, or the pair itself; 0 for padding), int64."""
+    ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = ids < num_pairs
+    if A_BY_TOKEN:
+        arow = ids // top_k
+    else:
+        arow = ids
+    return ids, valid, tl.where(valid, arow, 0).to(tl.int64)
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr,  # [T, Kd] tokens (A_BY_TOKEN) or [T*top_k, Kd] pair rows
     b_ptr,  # [E, N or 2N, Kd] expert weights ([out, in] per expert)
@@ -169,13 +182,7 @@ def _moe_gemm_kernel(
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
     if e < E:
-        ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        valid = ids < num_pairs
-        if A_BY_TOKEN:
-            arow = ids // top_k
-        else:
-            arow = ids
-        arow = tl.where(valid, arow, 0).to(tl.int64)
+        ids, valid, arow = _block_rows(sorted_ids_ptr, pid_m, num_pairs, top_k, A_BY_TOKEN, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
@@ -247,13 +254,7 @@ def _moe_gemm_q_kernel(
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
     if e < E:
-        ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        valid = ids < num_pairs
-        if A_BY_TOKEN:
-            arow = ids // top_k
-        else:
-            arow = ids
-        arow = tl.where(valid, arow, 0).to(tl.int64)
+        ids, valid, arow = _block_rows(sorted_ids_ptr, pid_m, num_pairs, top_k, A_BY_TOKEN, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs_n < N
         rn = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped columns are computed, not stored
