@@ -392,3 +392,15 @@ def test_gpu_fp8_linear_gemv_and_scaled_mm(monkeypatch):
         want = (x.float() @ w.float().T).to(torch.bfloat16)
         err = ((y.float() - want.float()).norm() / want.float().norm()).item()
         assert calls == [path] and y.dtype == torch.bfloat16 and err < tol, (M, calls, err)
+
+
+def test_result_records_the_fp8_decode_gemv_rule():
+    """runtime.quant says which rows took the weight-only GEMV (fp8-scaled-mm only: fp8-ref runs the reference)."""
+    from perfkit.runners.serving import _quant_info
+    from perfkit.runtime.quant import QuantReport
+
+    def report(backend):
+        return QuantReport("fp8", backend, None, 4, 2, 8, 6, 1, 0)
+
+    assert _quant_info(report("fp8-scaled-mm"))["fp8_gemv_max_m"] == FP8_GEMV_MAX_M
+    assert "fp8_gemv_max_m" not in _quant_info(report("fp8-ref"))
