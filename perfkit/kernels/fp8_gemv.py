@@ -45,9 +45,9 @@ is the single source of truth. No host syncs: CUDA-graph capturable. On CPU the 
 conversion matches torch's for every byte except the NaN codes 0x7F / 0xFF (it returns +-480), which
 ``quantize_fp8_rowwise`` never produces.
 
-Tuning: ``GEMV_CONFIG`` and ``FP8_GEMV_MAX_M`` are guesses until the H200 sweep (``python3 -m
-perfkit.kernels.fp8_gemv --sweep [--out FILE]``, ``sweep_fp8_gemv``) sets them; it times the tiles of
-``SWEEP_CONFIGS`` at the 31B's decode shapes against bf16 cuBLAS and the W8A8 ``fp8_linear`` path.
+Tuning: ``GEMV_CONFIG`` and ``FP8_GEMV_MAX_M`` come from the H200 sweep of 12-01c (``python3 -m
+perfkit.kernels.fp8_gemv --sweep [--out FILE]``, ``sweep_fp8_gemv``: the tiles of ``SWEEP_CONFIGS`` at the 31B's
+decode shapes against bf16 cuBLAS and the W8A8 ``fp8_linear`` path): 36-51 % of the DRAM bound at M = 1.
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ from perfkit.kernels.w4a16_gemm import HBM_BYTES_PER_S, _finish_split
 
 # The largest flattened M that Fp8Linear (backend fp8-scaled-mm) sends to fp8_gemv instead of the W8A8
 # scaled_mm path, from the H200 sweep (`python3 -m perfkit.kernels.fp8_gemv --sweep`, 12-01c): summed over the
-# six 31B shapes with the default tile, the gemv takes 363 us at M=1 against 476 us for scaled_mm (and 418 us for
-# bf16 cuBLAS), but 494 vs 479 us at M=2 and 720 vs 479 us at M=4 (one CUDA-core FMA per weight byte per row).
+# six 31B shapes with the 8-row tile, the gemv takes 363 us at M=1 (347 with the 4-row default) against 476 us for
+# scaled_mm (and 418 us for bf16 cuBLAS), but 494 vs 479 us at M=2 and 720 vs 479 us at M=4 (one CUDA-core FMA per
+# weight byte per row).
 FP8_GEMV_MAX_M = 1
 MIN_PROGRAMS_PER_SM = 2  # below this many programs per SM the gemv splits K
 MAX_SPLIT_K = 8
