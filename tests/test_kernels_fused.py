@@ -516,6 +516,17 @@ def test_traffic_formulas():
     assert expected_active_experts(10**6, 128, 8) == pytest.approx(128)
     # 26B decode step, one MoE layer at T = 1: 8 experts x 3 x 704 x 2816 x 2 B = 95.2 MB of weights
     assert fused_moe_traffic(1, 2816, 704, 128, 8)["weight_bytes"] == 8 * 3 * 704 * 2816 * 2
+    # quantised experts (always the sorted path): e2m1 codes + an e4m3 scale per 16 + an fp32 scale per row
+    q = fused_moe_traffic(2, 32, 16, 4, 2, active_experts=3, weight_format="nvfp4")
+    assert q["weight_bytes"] == 3 * (3 * 16 * 32 // 2 + 3 * 16 * 32 // 16 + 4 * 3 * 16) == 3 * 1056
+    assert q["bytes_read"] - q["weight_bytes"] == fused_moe_traffic(2, 32, 16, 4, 2, path="sorted")["bytes_read"] - (
+        fused_moe_traffic(2, 32, 16, 4, 2, path="sorted")["weight_bytes"]
+    )  # the same activations as the bf16 sorted path
+    assert fused_moe_traffic(1, 2816, 704, 128, 8, weight_format="fp8")["weight_bytes"] == 8 * (
+        3 * 704 * 2816 + 4 * 3 * 704
+    )
+    with pytest.raises(ValueError, match="weight_format"):
+        fused_moe_traffic(1, 8, 4, 4, 2, weight_format="int4")
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -50,7 +50,8 @@ registers (``_moe_gemm_q_kernel``). NVFP4 tiles decode exactly as the W4A16 GEMM
 e2m1 * e4m3 is exact in bf16), FP8 tiles are e4m3 converted to bf16 (exact); each feeds a tensor-core dot, and
 the per-row scale (the NVFP4 global scale, per row so gate and up may differ; the FP8 channel scale) multiplies
 the accumulator in the epilogue. Weight-only: x stays in its dtype. Weight bytes per active expert: 0.56 B
-(NVFP4) / 1 B (FP8) per element instead of 2. Why not the per-expert loop the quantised experts used before:
+(NVFP4) / 1 B (FP8) per element instead of 2 (``fused_moe_traffic(weight_format=)``; reference: ``fused_moe_ref`` on
+``QuantExpertWeights.dequantize()``). Why not the per-expert loop the quantised experts used before:
 its ``bincount(...).tolist()`` synced every MoE layer and launched 2 GEMMs per active expert (~128 per layer at
 batch 64): 1.33 s per decode step on the H200 at c64, and no decode graph captured above batch 8.
 
@@ -769,9 +770,12 @@ def fused_moe_traffic(
     elt_bytes: int = 2,
     active_experts: int | None = None,
     path: str = "auto",
+    weight_format: str | None = None,
 ) -> dict[str, int]:
     """Minimum DRAM bytes and FLOPs of :func:`fused_moe` on ``path`` ("auto": the one it would take for T*K
-    pairs; routing metadata, O(T K) int32 / fp32, left out).
+    pairs; routing metadata, O(T K) int32 / fp32, left out). ``weight_format`` "nvfp4" / "fp8": the weights of
+    :func:`fused_moe_quantized` (always the sorted path), values + block scales + per-row scales per expert:
+    NVFP4 3 I H / 2 + 3 I H / 16 + 4 x 3 I, FP8 3 I H + 4 x 3 I bytes (``None``: ``elt_bytes`` per element).
 
     Weights (both paths): every distinct active expert's gate_up [2I, H] and down [H, I] once (``active_experts``
     default: the uniform-routing expectation, rounded). Activations, sorted path: x [T, H] read, act [T K, I]
@@ -784,16 +788,20 @@ def fused_moe_traffic(
     + 2 per output element for the weight and combine).
     """
     P = tokens * top_k
-    chosen = select_moe_path(P, path)
+    if weight_format is not None and weight_format not in QUANT_EXPERT_FORMATS:
+        raise ValueError(f"weight_format {weight_format!r} must be None or one of {', '.join(QUANT_EXPERT_FORMATS)}")
+    chosen = "sorted" if weight_format else select_moe_path(P, path)
     a = round(expected_active_experts(tokens, num_experts, top_k)) if active_experts is None else active_experts
-    weights = a * 3 * inter * hidden * elt_bytes
+    n = 3 * inter * hidden  # weight elements per expert
+    per_expert = {None: n * elt_bytes, "nvfp4": n // 2 + n // 16 + 4 * 3 * inter, "fp8": n + 4 * 3 * inter}
+    weights = a * per_expert[weight_format]
     y = 0 if chosen == "gather" else P * hidden * elt_bytes  # per-pair outputs, written + read (sorted only)
     read = weights + tokens * hidden * elt_bytes + P * inter * elt_bytes + y
     written = P * inter * elt_bytes + y + tokens * hidden * elt_bytes
     flops = 6 * P * hidden * inter + 10 * P * inter + 2 * P * hidden
     return {
         "weight_bytes": weights,
-        "gather_weight_bytes": P * 3 * inter * hidden * elt_bytes,
+        "gather_weight_bytes": P * per_expert[weight_format],
         "bytes_read": read,
         "bytes_written": written,
         "total_bytes": read + written,
