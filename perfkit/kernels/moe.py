@@ -153,6 +153,20 @@ def _block_rows(sorted_ids_ptr, pid_m, num_pairs, top_k, A_BY_TOKEN: tl.constexp
 
 
 @triton.jit
+def _store_block(
+    acc, acc_u, c_ptr, topw_ptr, ids, valid, offs_n, nmask, stride_cm, GELU_MUL: tl.constexpr, MUL_W: tl.constexpr
+):
+    """The sorted kernels' epilogue: GeGLU of the gate / up accumulators (GELU_MUL), times the routing weight
+    (MUL_W), stored to the block's real rows in pair order."""
+    if GELU_MUL:
+        acc = _gelu_tanh_f32(acc) * acc_u
+    if MUL_W:
+        acc = acc * tl.load(topw_ptr + ids, mask=valid, other=0.0)[:, None]
+    c_ptrs = c_ptr + ids.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr,  # [T, Kd] tokens (A_BY_TOKEN) or [T*top_k, Kd] pair rows
     b_ptr,  # [E, N or 2N, Kd] expert weights ([out, in] per expert)
@@ -208,12 +222,7 @@ def _moe_gemm_kernel(
                 acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_bk
-        if GELU_MUL:
-            acc = _gelu_tanh_f32(acc) * acc_u
-        if MUL_W:
-            acc = acc * tl.load(topw_ptr + ids, mask=valid, other=0.0)[:, None]
-        c_ptrs = c_ptr + ids.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+        _store_block(acc, acc_u, c_ptr, topw_ptr, ids, valid, offs_n, nmask, stride_cm, GELU_MUL, MUL_W)
 
 
 @triton.jit
@@ -311,11 +320,7 @@ def _moe_gemm_q_kernel(
         acc = acc * tl.load(rs_ptr + e64 * stride_re + rn)[None, :]
         if GELU_MUL:
             acc_u = acc_u * tl.load(rs_ptr + e64 * stride_re + N + rn)[None, :]
-            acc = _gelu_tanh_f32(acc) * acc_u
-        if MUL_W:
-            acc = acc * tl.load(topw_ptr + ids, mask=valid, other=0.0)[:, None]
-        c_ptrs = c_ptr + ids.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+        _store_block(acc, acc_u, c_ptr, topw_ptr, ids, valid, offs_n, nmask, stride_cm, GELU_MUL, MUL_W)
 
 
 @triton.jit

@@ -373,12 +373,7 @@ class QuantizedExperts(nn.Module):
         all_e = torch.arange(self.num_experts, device=self.gate_up_proj.device)
         return {name: self._dequant(name, all_e) for name in ("gate_up_proj", "down_proj")}
 
-    def _mm(self, name: str, x: Tensor, e: int) -> Tensor:  # x [n, K] against expert e -> [n, N]
-        if self.scheme == "nvfp4" and self.backend == "w4a16-triton":
-            return w4a16_gemm(
-                x, getattr(self, name)[e], getattr(self, f"{name}_weight_scale")[e],
-                getattr(self, f"{name}_weight_scale_2")[e],
-            )  # fmt: skip
+    def _mm(self, name: str, x: Tensor, e: int) -> Tensor:  # x [n, K] against expert e -> [n, N], torch
         return (x.float() @ self._dequant(name, e).T).to(x.dtype)
 
     def _mm_rows(self, name: str, x: Tensor, ids: Tensor) -> Tensor:  # row r against expert ids[r]
@@ -410,7 +405,8 @@ class QuantizedExperts(nn.Module):
         return y.view(T, K, -1).sum(dim=1)
 
     def forward_sorted(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
-        """The torch path (CPU without the interpreter): a loop over the routed experts."""
+        """The torch path (the ``-ref`` / ``-dequant`` backends; tests compare the Triton backends to it): a loop
+        over the routed experts, dequantised in fp32."""
         T, K = idx.shape
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
