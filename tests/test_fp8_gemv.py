@@ -265,7 +265,10 @@ def test_sweep_summary():
 def test_sweep_runs_end_to_end_on_cpu(monkeypatch, tmp_path):
     """The GPU sweep's flow at a toy shape with the timer stubbed: one JSONL row per (shape, M, tile) with the
     bench keys and a correct result, a failing tile recorded as an error, then the summary rows and a table."""
+    import perfkit.kernels.stream as stream
+
     monkeypatch.setattr(fg, "graph_ms", lambda fn, warmup=0, rep=0: (fn(), 1.0)[1])
+    monkeypatch.setattr(stream, "graph_ms", lambda fn, warmup=0, rep=0: (fn(), 0.5)[1])
 
     def flaky(x, q, s, config=None):  # the 32-row tile "fails to compile"
         if config.block_n == 32:
@@ -282,8 +285,10 @@ def test_sweep_runs_end_to_end_on_cpu(monkeypatch, tmp_path):
     timed = [r for r in rows if "median_ms" in r and "summary" not in r]
     assert len(timed) == 4 and all(r["rel_err_vs_ref"] < 1e-2 for r in timed)
     keys = {"median_ms", "bound_ms", "pct_of_bound", "achieved_tb_s", "speedup_vs_bf16", "speedup_vs_scaled_mm",
-            "bf16_cublas_ms", "fp8_scaled_mm_ms", "rel_err_vs_ref", "config", "splits"}  # fmt: skip
+            "bf16_cublas_ms", "fp8_scaled_mm_ms", "rel_err_vs_ref", "config", "splits", "stream_ms",
+            "pct_of_stream"}  # fmt: skip
     assert keys <= set(timed[0]) and timed[0]["fp8_scaled_mm_ms"] is None  # no scaled_mm on CPU
+    assert timed[0]["pct_of_stream"] == pytest.approx(50.0)  # the probe's 0.5 ms over the kernel's 1 ms
     assert [r["config"]["block_n"] for r in rows if "error" in r] == [32, 32]
     assert {r["summary"] for r in rows if "summary" in r} == {"best_config", "best_config_per_m", "max_m", "wall_s"}
     assert any("best tile" in line for line in log)

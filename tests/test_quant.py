@@ -401,7 +401,16 @@ def test_w4a16_sweep_runs_end_to_end(monkeypatch):
     measured = [r for r in rows if "graph_ms" in r]
     # gemv x 3 tiles at M = 1 (one fails), dot and dequant_mm once each at both M (gemv skipped at M = 130)
     assert len(measured) == 2 + 2 + 2 and all(r["rel_err_vs_ref"] < 1e-2 for r in measured)
-    assert {"median_ms", "bound_ms", "pct_of_bound", "bf16_cublas_ms", "path", "config"} <= set(measured[0])
+    assert {
+        "median_ms",
+        "bound_ms",
+        "pct_of_bound",
+        "stream_ms",
+        "graph_pct_of_stream",
+        "bf16_cublas_ms",
+        "path",
+        "config",
+    } <= set(measured[0])
     assert [r["path"] for r in rows if "error" in r] == ["gemv"]
     assert {r["summary"] for r in rows if "summary" in r} == {"best_config", "best_path"}
 

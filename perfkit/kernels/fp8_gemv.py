@@ -66,6 +66,7 @@ import triton
 import triton.language as tl
 
 from perfkit.kernels.fp8 import FP8_DTYPE, dequantize_fp8_rowwise, fp8_linear, fp8_supported, quantize_fp8_rowwise
+from perfkit.kernels.stream import stream_read_ms
 from perfkit.kernels.timing import graph_ms
 from perfkit.kernels.w4a16_gemm import HBM_BYTES_PER_S, _finish_split
 
@@ -483,6 +484,8 @@ def _gemv_row(
         "median_ms": ms,
         "bound_ms": t["bound_ms"],
         "pct_of_bound": 100.0 * t["bound_ms"] / ms,
+        "stream_ms": baselines["stream_ms"],
+        "pct_of_stream": 100.0 * baselines["stream_ms"] / ms,
         "achieved_tb_s": t["total_bytes"] / ms / 1e9,
         "bf16_cublas_ms": bf16_ms,
         "fp8_scaled_mm_ms": mm_ms,
@@ -493,10 +496,13 @@ def _gemv_row(
 
 
 def _baselines(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, w_bf16: torch.Tensor, warmup: int, rep: int):
-    """CUDA-graph medians of bf16 cuBLAS ``x @ w^T`` and of the W8A8 ``fp8_linear`` (None below sm_89)."""
+    """CUDA-graph medians of bf16 cuBLAS ``x @ w^T``, of the W8A8 ``fp8_linear`` (None below sm_89) and of the
+    load-only read of the GEMV's bytes (``perfkit.kernels.stream``: the ceiling a kernel of this size reaches)."""
     xb = x.to(torch.bfloat16)
     out: dict[str, float | None] = {"bf16_cublas_ms": graph_ms(lambda: xb @ w_bf16.T, warmup, rep)}
     out["fp8_scaled_mm_ms"] = graph_ms(lambda: fp8_linear(x, q, s), warmup, rep) if fp8_supported(x.device) else None
+    t = fp8_gemv_traffic(x.shape[0], q.shape[0], q.shape[1], x.element_size(), x.element_size())
+    out["stream_ms"] = stream_read_ms(int(t["total_bytes"]), device=x.device.type, warmup=warmup, rep=rep)["stream_ms"]
     return out
 
 

@@ -1,0 +1,151 @@
+"""Load-only streaming probe: the DRAM read time a memory-bound kernel of a given size can actually reach.
+
+A decode GEMV's "% of bound" divides by the HBM rate (4.3 TB/s here), which no kernel of a few tens of MB attains:
+the launch, the ramp to full occupancy and the tail cost a few µs that a 15 µs transfer cannot amortise. On the
+H200 (12-01d, ``docs/h200-runs/2026-12-01d/3-stream_ceiling.jsonl``) reading the 58 MB of a 5376 x 21504 NVFP4
+weight takes 23.0 µs at best (2.51 TB/s, 58 % of 4.3 TB/s), and cuBLAS's bf16 GEMV over the same byte count
+25.0 µs. So the kernel benchmarks report both: % of the spec bound, and % of this measured ceiling
+(``stream_ms`` of the same bytes, CUDA-graph replay, L2 flushed as for the kernel itself).
+
+The kernel reads int32 words in contiguous per-program spans (16 B vector loads per thread, ``UNROLL`` loads in
+flight per thread) and folds them with XOR into one word per program, so nothing but the read is timed (the
+store is a few KB). ``stream_ref`` computes the same fold in torch, which is what the CPU test compares.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from perfkit.kernels.timing import graph_ms
+
+
+@triton.jit
+def _stream_kernel(
+    src_ptr,  # int32 [n_words]
+    out_ptr,  # int32 [programs, BLOCK]: the XOR of each lane's words
+    n_words,
+    words_per_program,  # multiple of BLOCK * UNROLL
+    BLOCK: tl.constexpr,  # words per load step of the program (num_warps * 32 threads * 4 words)
+    UNROLL: tl.constexpr,  # independent loads per thread per iteration: 1, 2 or 4
+):
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    start = pid.to(tl.int64) * words_per_program
+    end = tl.minimum(start + words_per_program, n_words)
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for w0 in range(start, end, BLOCK * UNROLL):
+        a = tl.load(src_ptr + w0 + offs, mask=w0 + offs < end, other=0)
+        if UNROLL >= 2:
+            b = tl.load(src_ptr + w0 + BLOCK + offs, mask=w0 + BLOCK + offs < end, other=0)
+            a ^= b
+        if UNROLL == 4:
+            c = tl.load(src_ptr + w0 + 2 * BLOCK + offs, mask=w0 + 2 * BLOCK + offs < end, other=0)
+            d = tl.load(src_ptr + w0 + 3 * BLOCK + offs, mask=w0 + 3 * BLOCK + offs < end, other=0)
+            a ^= c ^ d
+        acc ^= a
+    tl.store(out_ptr + pid * BLOCK + offs, acc)
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """One launch shape of the probe: ``num_warps`` per program, ``unroll`` loads in flight per thread,
+    ``programs_per_sm`` (the grid is this many programs per SM, each a contiguous span)."""
+
+    num_warps: int = 4
+    unroll: int = 2
+    programs_per_sm: int = 8
+
+    @property
+    def block(self) -> int:
+        return self.num_warps * 32 * 4
+
+
+# Tried by ``stream_read_ms``; the ceiling is the fastest of them.
+STREAM_CONFIGS: tuple[StreamConfig, ...] = (
+    StreamConfig(4, 2, 8),
+    StreamConfig(4, 4, 8),
+    StreamConfig(8, 2, 4),
+    StreamConfig(4, 2, 16),
+)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _span(n_words: int, cfg: StreamConfig, sms: int) -> tuple[int, int]:
+    """(programs, words per program): about ``programs_per_sm`` programs per SM, spans a multiple of a step."""
+    step = cfg.block * cfg.unroll
+    per = triton.cdiv(triton.cdiv(n_words, cfg.programs_per_sm * sms), step) * step
+    return triton.cdiv(n_words, per), per
+
+
+def stream_fold(words: torch.Tensor, cfg: StreamConfig = StreamConfig()) -> torch.Tensor:
+    """Run the probe over int32 ``words`` (1-D): [programs, block] XOR folds (the result only proves the read)."""
+    if words.dtype != torch.int32 or words.dim() != 1:
+        raise ValueError(f"want a 1-D int32 tensor, got {words.dtype} {tuple(words.shape)}")
+    if cfg.unroll not in (1, 2, 4) or cfg.num_warps < 1 or cfg.num_warps & (cfg.num_warps - 1):
+        raise ValueError(f"bad stream config {cfg}: unroll 1, 2 or 4, num_warps a power of two")
+    programs, per = _span(words.numel(), cfg, _sm_count(words.device))
+    out = torch.empty((max(programs, 1), cfg.block), dtype=torch.int32, device=words.device)
+    if words.numel() == 0:
+        return out.zero_()
+    _stream_kernel[(programs,)](words, out, words.numel(), per, BLOCK=cfg.block, UNROLL=cfg.unroll,
+                                num_warps=cfg.num_warps)  # fmt: skip
+    return out
+
+
+def stream_ref(words: torch.Tensor, cfg: StreamConfig = StreamConfig(), sms: int = 1) -> torch.Tensor:
+    """The same fold in torch: lane i of program p XORs the words p * span + i + k * block."""
+    programs, per = _span(words.numel(), cfg, sms)
+    padded = torch.zeros(programs * per, dtype=torch.int32, device=words.device)
+    padded[: words.numel()] = words
+    lanes = padded.view(programs, per // cfg.block, cfg.block)
+    out = lanes[:, 0].clone()
+    for k in range(1, lanes.shape[1]):
+        out ^= lanes[:, k]
+    return out
+
+
+def stream_traffic(nbytes: int) -> dict[str, float]:
+    """Bytes the probe reads (whole 4-byte words) and writes (one fold per lane, negligible)."""
+    words = triton.cdiv(nbytes, 4)
+    return {"bytes_read": 4 * words, "total_bytes": 4 * words}
+
+
+def stream_read_ms(nbytes: int, device: str = "cuda", configs=STREAM_CONFIGS, warmup: int = 10, rep: int = 50) -> dict:
+    """The measured read ceiling for ``nbytes``: the fastest probe launch (CUDA-graph replay median, L2 flushed
+    between replays), its TB/s and its config."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("stream_read_ms needs CUDA")
+    words = torch.randint(-(2**31), 2**31 - 1, (triton.cdiv(nbytes, 4),), dtype=torch.int32, device=device)
+    best: dict | None = None
+    for cfg in configs:
+        ms = graph_ms(lambda cfg=cfg: stream_fold(words, cfg), warmup, rep)
+        if best is None or ms < best["stream_ms"]:
+            best = {"stream_ms": ms, "config": asdict(cfg)}
+    assert best is not None
+    best["stream_tb_s"] = stream_traffic(nbytes)["bytes_read"] / best["stream_ms"] / 1e9
+    return best
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description="Load-only DRAM read ceiling for a byte count (CUDA).")
+    parser.add_argument("--mb", type=float, nargs="+", default=[16, 32, 65, 131, 262], help="sizes in MB (1e6 B)")
+    for mb in parser.parse_args().mb:
+        print(json.dumps({"mb": mb, **stream_read_ms(int(mb * 1e6))}))

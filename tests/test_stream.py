@@ -1,0 +1,50 @@
+"""The load-only streaming probe (perfkit/kernels/stream.py): its fold against the torch reference (interpreter on
+CPU, the real kernel on a GPU), spans that leave a ragged tail, bad configs, and the ceiling record's keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from perfkit.kernels.stream import StreamConfig, _sm_count, stream_fold, stream_read_ms, stream_ref, stream_traffic
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+@pytest.mark.parametrize("n_words", [1, 511, 4096 + 37])
+@pytest.mark.parametrize("cfg", [StreamConfig(1, 1, 2), StreamConfig(1, 2, 3), StreamConfig(2, 4, 1)])
+def test_fold_matches_reference(n_words, cfg):
+    gen = torch.Generator().manual_seed(n_words)
+    words = torch.randint(-(2**31), 2**31 - 1, (n_words,), dtype=torch.int32, generator=gen).to(DEVICE)
+    out = stream_fold(words, cfg)
+    ref = stream_ref(words, cfg, sms=_sm_count(words.device))
+    assert torch.equal(out.cpu(), ref.cpu())
+    # every word reaches the fold: flipping one changes it
+    words[n_words // 2] ^= 1
+    assert not torch.equal(stream_fold(words, cfg).cpu(), ref.cpu())
+
+
+def test_bad_input_is_rejected():
+    with pytest.raises(ValueError, match="1-D int32"):
+        stream_fold(torch.zeros(4, dtype=torch.float32))
+    with pytest.raises(ValueError, match="unroll 1, 2 or 4"):
+        stream_fold(torch.zeros(4, dtype=torch.int32), StreamConfig(4, 3, 8))
+
+
+def test_traffic_counts_whole_words():
+    assert stream_traffic(10) == {"bytes_read": 12, "total_bytes": 12}
+
+
+@pytest.mark.skipif(CUDA, reason="CPU path")
+def test_ceiling_needs_cuda():
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        stream_read_ms(1 << 20)
+
+
+@pytest.mark.gpu
+def test_ceiling_on_gpu():
+    if not CUDA:
+        pytest.skip("needs CUDA")
+    r = stream_read_ms(64 << 20, warmup=2, rep=5)
+    assert set(r) == {"stream_ms", "stream_tb_s", "config"} and 0.1 < r["stream_tb_s"] < 20
