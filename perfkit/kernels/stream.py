@@ -1,14 +1,15 @@
 """Load-only streaming probe: the DRAM read time a memory-bound kernel of a given size can actually reach.
 
 A decode GEMV's "% of bound" divides by the HBM rate (4.3 TB/s here), which no kernel of a few tens of MB attains:
-the launch, the ramp to full occupancy and the tail cost a few µs that a 15 µs transfer cannot amortise. On the
-H200 (12-01d, ``docs/h200-runs/2026-12-01d/3-stream_ceiling.jsonl``) reading the 58 MB of a 5376 x 21504 NVFP4
-weight takes 23.0 µs at best (2.51 TB/s, 58 % of 4.3 TB/s), and cuBLAS's bf16 GEMV over the same byte count
-25.0 µs. So the kernel benchmarks report both: % of the spec bound, and % of this measured ceiling
-(``stream_ms`` of the same bytes, CUDA-graph replay, L2 flushed as for the kernel itself).
+the launch, the ramp to full occupancy and the tail cost a few µs that a 15 µs transfer cannot amortise. Measured
+with this probe on the H200 (``docs/h200-runs/2026-12-01d/7-stream_sizes.jsonl``): 16 MB read at 1.46 TB/s,
+58 MB (the words of a 5376 x 21504 NVFP4 weight) at 2.43 TB/s, 131 MB at 3.04, 524 MB at 4.09; cuBLAS's bf16
+GEMV over 58 MB reached 2.31 TB/s in the same session. So the kernel benchmarks report both: % of the spec
+bound, and % of this measured ceiling (``stream_ms`` of the same bytes, CUDA-graph replay, L2 flushed between
+replays as for the kernel itself).
 
 The kernel reads int32 words in contiguous per-program spans (16 B vector loads per thread, ``UNROLL`` loads in
-flight per thread) and folds them with XOR into one word per program, so nothing but the read is timed (the
+flight per thread) and folds them with XOR into one word per lane, so nothing but the read is timed (the
 store is a few KB). ``stream_ref`` computes the same fold in torch, which is what the CPU test compares.
 """
 
