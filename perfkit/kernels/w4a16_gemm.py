@@ -87,6 +87,7 @@ GEMV_MAX_ROWS = 4  # rows of x per gemv program (BLOCK_M is capped here and at M
 GEMV_MIN_PROGRAMS_PER_SM = 2  # below this many programs per SM the gemv / dot paths split K
 MAX_SPLIT_K = 8
 DOT_GROUP_M = 8  # dot path: row tiles launched together per weight tile
+GEMV_X64 = True  # gemv: bf16 x read as int64 words (4 elements per load) when aligned; False: one load per element
 INLINE_ASM_CVT = True  # GPU: convert decoded fp16 pairs with inline PTX (False: the interpreter's pure-Triton ops)
 
 # --------------------------------------------------------------------------------------------------------------
@@ -156,19 +157,43 @@ def _gemv_tile(w_ptrs, s_ptrs, k0, k_hi, g):
 
 
 @triton.jit
-def _gemv_row(acc, l0, h0, l1, h1, l2, h2, l3, h3, sf, xp, x_mask, x_other):
+def _bf16_pair(v):
+    """int32 holding two bf16 (element 2i low, 2i+1 high) -> the two as fp32 (a bf16 is the top half of its fp32)."""
+    return (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gemv_row(acc, l0, h0, l1, h1, l2, h2, l3, h3, sf, xp, x_mask, x_other, X64: tl.constexpr):
     """acc [BN, G] + one row of x against the decoded words (``_e2m1_decode``, [BN, G, 2] each): the 16 products
     of each group summed, times the group's scale factor ``sf`` [BN, G]. ``xp`` [1, G, 2]: pointers to x at each
-    word's code 0; the loads (fewer than 32 * num_warps elements each) are issued in the weight tile's layout, no
-    shared-memory shuffle."""
-    part = l0 * tl.load(xp, mask=x_mask, other=x_other).to(tl.float32)
-    part += h0 * tl.load(xp + 4, mask=x_mask, other=x_other).to(tl.float32)
-    part += l1 * tl.load(xp + 1, mask=x_mask, other=x_other).to(tl.float32)
-    part += h1 * tl.load(xp + 5, mask=x_mask, other=x_other).to(tl.float32)
-    part += l2 * tl.load(xp + 2, mask=x_mask, other=x_other).to(tl.float32)
-    part += h2 * tl.load(xp + 6, mask=x_mask, other=x_other).to(tl.float32)
-    part += l3 * tl.load(xp + 3, mask=x_mask, other=x_other).to(tl.float32)
-    part += h3 * tl.load(xp + 7, mask=x_mask, other=x_other).to(tl.float32)
+    word's code 0, issued in the weight tile's layout (no shared-memory shuffle). X64 (bf16 x): ``xp`` points to
+    int64 words of x, and the word's 8 elements arrive as two 8-byte loads instead of eight 2-byte ones. The loads
+    are what bound this loop: the H200 profile of the 2-byte form (12-01d, ncu) showed the L1 at 80 % of its
+    throughput with DRAM at 20 %, one L1 request per x element."""
+    if X64:
+        a = tl.load(xp, mask=x_mask, other=x_other)  # codes 0-3 of each word
+        b = tl.load(xp + 1, mask=x_mask, other=x_other)  # codes 4-7
+        x0, x1 = _bf16_pair(a.to(tl.int32))
+        x2, x3 = _bf16_pair((a >> 32).to(tl.int32))
+        x4, x5 = _bf16_pair(b.to(tl.int32))
+        x6, x7 = _bf16_pair((b >> 32).to(tl.int32))
+    else:
+        x0 = tl.load(xp, mask=x_mask, other=x_other).to(tl.float32)
+        x1 = tl.load(xp + 1, mask=x_mask, other=x_other).to(tl.float32)
+        x2 = tl.load(xp + 2, mask=x_mask, other=x_other).to(tl.float32)
+        x3 = tl.load(xp + 3, mask=x_mask, other=x_other).to(tl.float32)
+        x4 = tl.load(xp + 4, mask=x_mask, other=x_other).to(tl.float32)
+        x5 = tl.load(xp + 5, mask=x_mask, other=x_other).to(tl.float32)
+        x6 = tl.load(xp + 6, mask=x_mask, other=x_other).to(tl.float32)
+        x7 = tl.load(xp + 7, mask=x_mask, other=x_other).to(tl.float32)
+    part = l0 * x0  # one FMA chain per word, in the order of the 2-byte form (same sums, bit for bit)
+    part += h0 * x4
+    part += l1 * x1
+    part += h1 * x5
+    part += l2 * x2
+    part += h2 * x6
+    part += l3 * x3
+    part += h3 * x7
     return acc + tl.sum(part, axis=2) * sf
 
 
@@ -208,6 +233,7 @@ def _w4a16_gemv_kernel(
     PER_ROW_EXPERT: tl.constexpr,
     ASM: tl.constexpr,  # inline-PTX fp16 -> fp32 of the decoded pairs (GPU; not the interpreter)
     PREFETCH: tl.constexpr,  # weight steps in flight while one is decoded: 1 or 2 (register buffers)
+    X64: tl.constexpr,  # bf16 x read as int64 words (x 8-byte aligned, stride_xm % 4 == 0): see _gemv_row
 ):
     pid_m = tl.program_id(0)  # fastest: the programs sharing a weight tile run together (L2)
     pid_n = tl.program_id(1)
@@ -232,15 +258,21 @@ def _w4a16_gemv_kernel(
     w_ptrs = w_ptr + w_rows[:, None, None] + (k_lo // 8 + 2 * g[:, None] + h[None, :])[None, :, :]
     s_ptrs = s_ptr + rn[:, None] * stride_sn + (k_lo // 16 + g)[None, :]
     x_off = (k_lo + 16 * g[:, None] + 8 * h[None, :])[None, :, :]  # [1, G, 2]: x element of each word's code 0
+    if X64:  # the same positions in int64 words of x (4 elements each)
+        XW: tl.constexpr = 4
+        xb = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+    else:
+        XW: tl.constexpr = 1
+        xb = x_ptr
     # rows past M re-read row M - 1 (not stored)
-    xp0 = x_ptr + tl.minimum(m0, M - 1).to(tl.int64) * stride_xm + x_off
+    xp0 = xb + (tl.minimum(m0, M - 1).to(tl.int64) * stride_xm + x_off) // XW
     acc0 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
     if BLOCK_M > 1:
-        xp1 = x_ptr + tl.minimum(m0 + 1, M - 1).to(tl.int64) * stride_xm + x_off
+        xp1 = xb + (tl.minimum(m0 + 1, M - 1).to(tl.int64) * stride_xm + x_off) // XW
         acc1 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
     if BLOCK_M > 2:
-        xp2 = x_ptr + tl.minimum(m0 + 2, M - 1).to(tl.int64) * stride_xm + x_off
-        xp3 = x_ptr + tl.minimum(m0 + 3, M - 1).to(tl.int64) * stride_xm + x_off
+        xp2 = xb + (tl.minimum(m0 + 2, M - 1).to(tl.int64) * stride_xm + x_off) // XW
+        xp3 = xb + (tl.minimum(m0 + 3, M - 1).to(tl.int64) * stride_xm + x_off) // XW
         acc2 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
 
@@ -261,16 +293,16 @@ def _w4a16_gemv_kernel(
         else:
             x_mask = ((k0 // 16 + g) < k_hi // 16)[None, :, None]
             x_other = 0.0
-        acc0 = _gemv_row(acc0, l0, h0, l1, h1, l2, h2, l3, h3, sf, xp0, x_mask, x_other)
-        xp0 += BLOCK_K
+        acc0 = _gemv_row(acc0, l0, h0, l1, h1, l2, h2, l3, h3, sf, xp0, x_mask, x_other, X64)
+        xp0 += BLOCK_K // XW
         if BLOCK_M > 1:
-            acc1 = _gemv_row(acc1, l0, h0, l1, h1, l2, h2, l3, h3, sf, xp1, x_mask, x_other)
-            xp1 += BLOCK_K
+            acc1 = _gemv_row(acc1, l0, h0, l1, h1, l2, h2, l3, h3, sf, xp1, x_mask, x_other, X64)
+            xp1 += BLOCK_K // XW
         if BLOCK_M > 2:
-            acc2 = _gemv_row(acc2, l0, h0, l1, h1, l2, h2, l3, h3, sf, xp2, x_mask, x_other)
-            acc3 = _gemv_row(acc3, l0, h0, l1, h1, l2, h2, l3, h3, sf, xp3, x_mask, x_other)
-            xp2 += BLOCK_K
-            xp3 += BLOCK_K
+            acc2 = _gemv_row(acc2, l0, h0, l1, h1, l2, h2, l3, h3, sf, xp2, x_mask, x_other, X64)
+            acc3 = _gemv_row(acc3, l0, h0, l1, h1, l2, h2, l3, h3, sf, xp3, x_mask, x_other, X64)
+            xp2 += BLOCK_K // XW
+            xp3 += BLOCK_K // XW
         if PREFETCH == 2:
             w = w1
             s = s1
@@ -600,6 +632,12 @@ def _words(weight: torch.Tensor) -> torch.Tensor:
         return w.clone().view(torch.int32)
 
 
+def _x64(x: torch.Tensor) -> bool:
+    """The gemv reads bf16 x as int64 words (``_gemv_row``): needs 8-byte-aligned rows. ``GEMV_X64`` off: the
+    2-byte loads (the A/B baseline)."""
+    return GEMV_X64 and x.dtype == torch.bfloat16 and x.data_ptr() % 8 == 0 and x.stride(0) % 4 == 0
+
+
 def _unit_k(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
@@ -640,7 +678,7 @@ def _launch_gemv(
         x.stride(0), words.stride(-2), scales.stride(-2), stride_os, N, 1,
         gs_stride, stride_we, stride_se, stride_ge, k_per_split,
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-        PER_ROW_EXPERT=per_row, ASM=_asm(), PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
+        PER_ROW_EXPERT=per_row, ASM=_asm(), PREFETCH=cfg.prefetch, X64=_x64(x), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
     return out if split == 1 else _finish_split(target, out)
