@@ -231,6 +231,32 @@ def test_w4a16_gemv_prefetch_two_steps_is_bit_identical():
         w4a16_gemm(x, q, s, gs, config=dataclasses.replace(one, prefetch=3), path="gemv")
 
 
+def test_w4a16_gemv_int64_x_is_bit_identical(monkeypatch):
+    """bf16 x read as int64 words (GEMV_X64) feeds the same FMA chains as the 2-byte loads: bit-identical, K tails,
+    several rows and the gathered (MoE) form included; unaligned or non-bf16 x keeps the 2-byte loads."""
+    import perfkit.kernels.w4a16_gemm as wk
+
+    for M, K, bk in ((1, 208, 32), (3, 208, 64), (4, 96, 64)):
+        x, q, s, gs = _operands(M, 40, K, torch.bfloat16, seed=30 + M, per_row_gs=True)
+        cfg = W4A16Config(block_m=4, block_n=16, block_k=bk, num_warps=4, num_stages=1, prefetch=2)
+        monkeypatch.setattr(wk, "GEMV_X64", True)
+        assert wk._x64(x)
+        wide = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=cfg, path="gemv")
+        monkeypatch.setattr(wk, "GEMV_X64", False)
+        assert torch.equal(wide, w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=cfg, path="gemv"))
+        _assert_w4a16_close(wide, x, q, s, gs)
+    monkeypatch.setattr(wk, "GEMV_X64", True)
+    assert not wk._x64(torch.zeros(1, 33, dtype=torch.bfloat16)[:, 1:])  # 2-byte offset
+    assert not wk._x64(torch.zeros(1, 32, dtype=torch.float16))
+    E, N, K = 3, 24, 64
+    qe, se, ge = quantize_nvfp4(torch.randn(E, N, K) * 0.05)  # one global scale per expert: [E]
+    x = torch.randn(4, K).to(torch.bfloat16)
+    ids = torch.tensor([2, 0, 2, 1])
+    wide = w4a16_gemm_gathered(x, qe, se, ge, ids, out_dtype=torch.float32)
+    monkeypatch.setattr(wk, "GEMV_X64", False)
+    assert torch.equal(wide, w4a16_gemm_gathered(x, qe, se, ge, ids, out_dtype=torch.float32))
+
+
 def test_w4a16_split_k_rule():
     """split-K only below GEMV_MIN_PROGRAMS_PER_SM programs per SM (the CPU counts as one SM), at most
     MAX_SPLIT_K and the number of K steps; whole K steps per split."""

@@ -30,9 +30,12 @@ the H200 sweep, ``python3 -m perfkit.kernels.w4a16_gemm --sweep``, sets them):
   (16x fewer scale multiplies than per element) accumulate per group, and the reduction over groups and the
   global scale come once, in the epilogue. Up to BLOCK_M = 4 rows of x per program reuse each decoded tile (the
   weight is read once per 4 rows; more rows are more programs on the same weight tile, launched next to each other
-  so the re-read hits L2). Cost on sm_90 (SASS of the compiled loop): ~5.9 instructions per weight element at
-  M = 1, i.e. an issue-rate ceiling of roughly 65-75 % of the H200's DRAM bound at 1.75-1.98 GHz; each extra row
-  adds ~2 per element (its FMA, x loads and conversions), which is why larger M goes to the tensor cores. Split-K only when
+  so the re-read hits L2). What bounds it at M = 1 is the L1: an ncu profile on the H200 (12-01d) of the form
+  with one 2-byte load per x element showed the L1/TEX pipe at 80 % of its throughput, DRAM at 20 %, 0.63 issued
+  warps per scheduler. bf16 x is therefore read as int64 words, two 8-byte loads per weight word (GEMV_X64):
+  7.3 SASS instructions per weight element instead of 8.0, 6 loads per thread and step instead of 18, and
+  9-14 % less time on the 31B decode shapes (5376 x 21504: 47.8 vs 55.7 us). Each extra row adds ~2 instructions
+  per element (its FMA, x loads and conversions), which is why larger M goes to the tensor cores. Split-K only when
   the grid has fewer than GEMV_MIN_PROGRAMS_PER_SM programs per SM: fp32 partials [S, M, N] summed in a fixed
   order by one small kernel (deterministic, no atomics).
 - ``dot`` (M between): the same decoded planes, times their block scales, joined in-thread into an exact fp32
@@ -489,9 +492,8 @@ class W4A16Config:
     - dequant_mm: ``block_n`` x ``block_k`` of the dequantise kernel (``block_m``, ``split_k`` unused).
 
     ``split_k``: None = chosen from the grid and the SM count (gemv, dot), 1 = never. ``prefetch`` (gemv): weight
-    steps loaded ahead of the one being decoded, in registers (2 doubles the bytes in flight per program: the
-    M=1 gemv is latency-bound at ~1 TB/s with one step ahead; SASS of 8 x 512 x 4 warps: 64 registers, 8
-    programs per SM, 16 KB of weight in flight per SM)."""
+    steps loaded ahead of the one being decoded, in registers (2 doubles the bytes in flight per program; it
+    beat one step ahead by 8-14 % on the 12-01c sweep)."""
 
     block_m: int
     block_n: int
@@ -503,10 +505,10 @@ class W4A16Config:
 
 
 # gemv: 4 weight rows x 512 K = 1 KB of weight per program and step, two more steps in flight (prefetch=2):
-# 32 registers (sm_90 compile, no spills), so many programs per SM keep enough bytes in flight. The M=1 gemv is
-# latency-bound (Little's law), not issue-bound (~6.4 SASS instructions per weight element): on the H200 sweep of
-# 12-01c it beat the previous default (8 x 512, one step ahead) on all five 31B shapes, by 8-14 % (5376 x 21504:
-# 55.2 vs 62.9 us). dot: wgmma tiles (BLOCK_M >= 64), no spills at 128 registers; decode-sized M wastes MMA
+# 38 registers (sm_90 compile, no spills), many programs per SM. On the H200 sweep of 12-01c it beat the previous
+# default (8 x 512, one step ahead) on all five 31B shapes, by 8-14 %. With int64 x (12-01d) it stays the best
+# or within 3 % of it: 8 rows, 2-4 rows per thread, split-K and 1024-wide steps were timed beside it
+# (docs/h200-runs/2026-12-01d/9-w4a16_x64_ab.jsonl). dot: wgmma tiles (BLOCK_M >= 64), no spills at 128 registers; decode-sized M wastes MMA
 # rows, which are cheap next to the dequantisation. dot 16 x 64 x 128 (M 2-16) and 64 x 64 x 128 (M 17-64),
 # 3 stages; the 128 x 128 x 64 tile for larger M (dot loses to dequant_mm there): the 12-01b sweep's best.
 GEMV_CONFIG = W4A16Config(block_m=4, block_n=4, block_k=512, num_warps=4, num_stages=1, prefetch=2)
@@ -1182,8 +1184,11 @@ def sweep_w4a16(
                     continue
                 for cfg in configs.get(p, (None,)):
                     try:
-                        emit(_bench_case(x, packed, scale, gs, ref, p, cfg, "broadcast", dense_ms, stream_ms, warmup,
-                                         rep))
+                        emit(
+                            _bench_case(
+                                x, packed, scale, gs, ref, p, cfg, "broadcast", dense_ms, stream_ms, warmup, rep
+                            )
+                        )
                     except Exception as exc:  # a tile that does not compile or fit: record it, keep sweeping
                         emit({"M": M, "N": N, "K": K, "path": p, "config": asdict(cfg or pick_config(M, p, dtype)),
                               "error": f"{type(exc).__name__}: {exc}"[:300]})  # fmt: skip
