@@ -508,8 +508,9 @@ class W4A16Config:
 # 38 registers (sm_90 compile, no spills), many programs per SM. On the H200 sweep of 12-01c it beat the previous
 # default (8 x 512, one step ahead) on all five 31B shapes, by 8-14 %. With int64 x (12-01d) it stays the best
 # or within 3 % of it: 8 rows, 2-4 rows per thread, split-K and 1024-wide steps were timed beside it
-# (docs/h200-runs/2026-12-01d/9-w4a16_x64_ab.jsonl). dot: wgmma tiles (BLOCK_M >= 64), no spills at 128 registers; decode-sized M wastes MMA
-# rows, which are cheap next to the dequantisation. dot 16 x 64 x 128 (M 2-16) and 64 x 64 x 128 (M 17-64),
+# (docs/h200-runs/2026-12-01d/9-w4a16_x64_ab.jsonl).
+# dot: wgmma tiles (BLOCK_M >= 64), no spills at 128 registers; decode-sized M wastes MMA rows, which are cheap
+# next to the dequantisation. dot 16 x 64 x 128 (M 2-16) and 64 x 64 x 128 (M 17-64),
 # 3 stages; the 128 x 128 x 64 tile for larger M (dot loses to dequant_mm there): the 12-01b sweep's best.
 GEMV_CONFIG = W4A16Config(block_m=4, block_n=4, block_k=512, num_warps=4, num_stages=1, prefetch=2)
 DOT_TINY_CONFIG = W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
