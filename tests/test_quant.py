@@ -441,6 +441,16 @@ def test_w4a16_sweep_runs_end_to_end(monkeypatch):
     assert {r["summary"] for r in rows if "summary" in r} == {"best_config", "best_path"}
 
 
+def test_w4a16_main_without_cuda_exits_2(capsys, monkeypatch):
+    import perfkit.kernels.w4a16_gemm as wk
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert wk._main(["--sweep"]) == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "CUDA" in out[0]
+    assert wk._main([]) == 0  # no --sweep: the help
+
+
 def test_w4a16_traffic():
     t = w4a16_gemm_traffic(1, 5376, 21504)
     weight = 5376 * 21504 // 2 + 5376 * 21504 // 16 + 4

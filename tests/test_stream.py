@@ -48,3 +48,13 @@ def test_ceiling_on_gpu():
         pytest.skip("needs CUDA")
     r = stream_read_ms(64 << 20, warmup=2, rep=5)
     assert set(r) == {"stream_ms", "stream_tb_s", "config"} and 0.1 < r["stream_tb_s"] < 20
+
+
+def test_main_without_cuda_or_with_bad_sizes_exits_2(capsys, monkeypatch):
+    from perfkit.kernels import stream
+
+    assert stream._main(["--mb", "0"]) == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert stream._main(["--mb", "16"]) == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 2 and "above 0" in out[0] and "CUDA" in out[1]

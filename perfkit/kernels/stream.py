@@ -142,11 +142,25 @@ def stream_read_ms(nbytes: int, device: str = "cuda", configs=STREAM_CONFIGS, wa
     return best
 
 
-if __name__ == "__main__":
+def _main(argv=None) -> int:
     import argparse
     import json
 
-    parser = argparse.ArgumentParser(description="Load-only DRAM read ceiling for a byte count (CUDA).")
+    parser = argparse.ArgumentParser(
+        prog="python3 -m perfkit.kernels.stream", description="Load-only DRAM read ceiling by byte count (CUDA)."
+    )
     parser.add_argument("--mb", type=float, nargs="+", default=[16, 32, 65, 131, 262], help="sizes in MB (1e6 B)")
-    for mb in parser.parse_args().mb:
+    args = parser.parse_args(argv)
+    if any(mb <= 0 for mb in args.mb):
+        print(f"--mb wants sizes above 0, got {args.mb}; nothing timed.")
+        return 2
+    if not torch.cuda.is_available():
+        print("perfkit.kernels.stream needs a CUDA GPU (none visible); nothing timed.")
+        return 2
+    for mb in args.mb:
         print(json.dumps({"mb": mb, **stream_read_ms(int(mb * 1e6))}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

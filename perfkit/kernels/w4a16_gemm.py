@@ -1202,13 +1202,24 @@ def sweep_w4a16(
     return results
 
 
-if __name__ == "__main__":
+def _main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(description="W4A16 (NVFP4) GEMM: time paths and tiles on a CUDA GPU.")
+    parser = argparse.ArgumentParser(
+        prog="python3 -m perfkit.kernels.w4a16_gemm",
+        description="W4A16 (NVFP4) GEMM: time paths and tiles on a CUDA GPU.",
+    )
     parser.add_argument("--sweep", action="store_true", help="time SWEEP_SHAPES x paths x SWEEP_CONFIGS")
-    args = parser.parse_args()
-    if args.sweep:
-        sweep_w4a16()
-    else:
+    args = parser.parse_args(argv)
+    if not args.sweep:
         parser.print_help()
+        return 0
+    if not torch.cuda.is_available():
+        print("w4a16_gemm --sweep needs a CUDA GPU (none visible); nothing timed.")
+        return 2
+    sweep_w4a16()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
