@@ -35,6 +35,7 @@ from perfkit.kernels.fp8_gemv import (  # noqa: E402
     fp8_gemv_ref,
     fp8_gemv_traffic,
 )
+from perfkit.kernels.launch import interpreting  # noqa: E402
 from perfkit.runtime.quant import Fp8Linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -220,7 +221,7 @@ def test_default_configs():
         assert isinstance(cfg, Fp8GemvConfig)
     assert GEMV_CONFIG.block_k % (256 * GEMV_CONFIG.num_warps) == 0  # x in the weight's layout
     assert GEMV_CONFIG.block_m >= FP8_GEMV_MAX_M  # every routed M in one row tile: the weight streamed once
-    assert fg.default_config() is (INTERPRETER_CONFIG if fg._interpreting() else GEMV_CONFIG)
+    assert fg.default_config() is (INTERPRETER_CONFIG if interpreting() else GEMV_CONFIG)
     assert fg._fit(GEMV_CONFIG, 1, 5376, 21504) == (1, GEMV_CONFIG.block_n, GEMV_CONFIG.block_k)
     assert fg._fit(GEMV_CONFIG, 3, 5, 20) == (4, min(GEMV_CONFIG.block_n, 8), 32)  # clipped to the problem
     assert 1 <= len(fg.SWEEP_CONFIGS) <= 12 and len(set(fg.SWEEP_CONFIGS)) == len(fg.SWEEP_CONFIGS)

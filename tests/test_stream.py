@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from perfkit.kernels.stream import StreamConfig, _sm_count, stream_fold, stream_read_ms, stream_ref, stream_traffic
+from perfkit.kernels.launch import sm_count
+from perfkit.kernels.stream import StreamConfig, stream_fold, stream_read_ms, stream_ref, stream_traffic
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -18,7 +19,7 @@ def test_fold_matches_reference(n_words, cfg):
     gen = torch.Generator().manual_seed(n_words)
     words = torch.randint(-(2**31), 2**31 - 1, (n_words,), dtype=torch.int32, generator=gen).to(DEVICE)
     out = stream_fold(words, cfg)
-    ref = stream_ref(words, cfg, sms=_sm_count(words.device))
+    ref = stream_ref(words, cfg, sms=sm_count(words.device))
     assert torch.equal(out.cpu(), ref.cpu())
     # every word reaches the fold: flipping one changes it
     words[n_words // 2] ^= 1

@@ -56,7 +56,6 @@ import argparse
 import functools
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -66,6 +65,7 @@ import triton
 import triton.language as tl
 
 from perfkit.kernels.fp8 import FP8_DTYPE, dequantize_fp8_rowwise, fp8_linear, fp8_supported, quantize_fp8_rowwise
+from perfkit.kernels.launch import interpreting, sm_count
 from perfkit.kernels.stream import stream_read_ms
 from perfkit.kernels.timing import graph_ms
 from perfkit.kernels.w4a16_gemm import HBM_BYTES_PER_S, _finish_split
@@ -252,18 +252,9 @@ INTERPRETER_CONFIG = Fp8GemvConfig(block_m=8, block_n=64, block_k=128, num_warps
 INLINE_ASM_CVT = True  # GPU sm_89+: inline-PTX e4m3 -> fp32 (False: Triton's own conversion)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def default_config() -> Fp8GemvConfig:
     """GEMV_CONFIG, or INTERPRETER_CONFIG under the CPU interpreter."""
-    return INTERPRETER_CONFIG if _interpreting() else GEMV_CONFIG
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return INTERPRETER_CONFIG if interpreting() else GEMV_CONFIG
 
 
 @functools.lru_cache(maxsize=8)
@@ -276,13 +267,7 @@ def _device_index(device: torch.device) -> int:
 
 
 def _asm(device: torch.device) -> bool:
-    return INLINE_ASM_CVT and not _interpreting() and device.type == "cuda" and _has_fp8_cvt(_device_index(device))
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the CPU interpreter: split-K only for one-program grids (tests force it with split_k)
-    return _num_sms(_device_index(device))
+    return INLINE_ASM_CVT and not interpreting() and device.type == "cuda" and _has_fp8_cvt(_device_index(device))
 
 
 def _fit(cfg: Fp8GemvConfig, M: int, N: int, K: int) -> tuple[int, int, int]:
@@ -300,7 +285,7 @@ def _split_k(cfg: Fp8GemvConfig, block_k: int, device: torch.device, programs: i
     steps = triton.cdiv(K, block_k)
     split = cfg.split_k
     if split is None:
-        target = MIN_PROGRAMS_PER_SM * _sm_count(device)
+        target = MIN_PROGRAMS_PER_SM * sm_count(device)
         split = 1 if programs >= target else triton.cdiv(target, max(programs, 1))
     split = max(1, min(split, steps, MAX_SPLIT_K))
     k_per_split = triton.cdiv(steps, split) * block_k
@@ -346,7 +331,7 @@ def fp8_gemv(
     ``config``: the tile (default ``default_config()``). No host sync: CUDA-graph capturable. CUDA: sm_89+ (Triton's
     float8e4nv conversions; the FP8 linears need it anyway)."""
     M, N, K = _check(x, weight, weight_scale)
-    if x.device.type == "cuda" and not _interpreting() and not _has_fp8_cvt(_device_index(x.device)):
+    if x.device.type == "cuda" and not interpreting() and not _has_fp8_cvt(_device_index(x.device)):
         raise RuntimeError(
             f"fp8_gemv needs an sm_89+ GPU (e4m3 conversions), got {torch.cuda.get_device_name(x.device)}"
         )

@@ -69,7 +69,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 from dataclasses import dataclass
 
@@ -77,6 +76,7 @@ import torch
 import triton
 import triton.language as tl
 
+from perfkit.kernels.launch import interpreting
 from perfkit.kernels.timing import graph_ms
 from perfkit.kernels.w4a16_gemm import _asm, _dequant_tile, _e4m3_times_2m8, _words, dequantize_nvfp4
 
@@ -568,7 +568,7 @@ def _fused_moe_sorted(
     P = T * K
     t1, t2, sorted_ids, block_expert, w_flat = _sorted_plan(topk_w, topk_idx, E, inter, H, block_m)
     n_blocks = block_expert.numel()
-    upcast = os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32
+    upcast = interpreting() and x.dtype != torch.float32
     prec = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
     act = torch.empty((P, inter), dtype=x.dtype, device=x.device)
     _moe_gemm_kernel[(n_blocks, triton.cdiv(inter, t1["BLOCK_N"]))](
@@ -655,7 +655,7 @@ def _moe_gemm_q(
         a, w, s, rs, out, sorted_ids, block_expert, w_flat,
         n, kd, E, w_flat.numel(), top_k, a.stride(0), w.stride(0), w.stride(1), *s_strides, rs.stride(0),
         out.stride(0), A_BY_TOKEN=gate_up, GELU_MUL=gate_up, MUL_W=not gate_up, NVFP4=wq.fmt == "nvfp4",
-        IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", ASM=_asm(), **tiles,
+        IEEE=a.dtype == torch.float32 or interpreting(), ASM=_asm(), **tiles,
     )  # fmt: skip
     return out
 

@@ -15,13 +15,13 @@ store is a few KB). ``stream_ref`` computes the same fold in torch, which is wha
 
 from __future__ import annotations
 
-import functools
 from dataclasses import asdict, dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from perfkit.kernels.launch import sm_count
 from perfkit.kernels.timing import graph_ms
 
 
@@ -75,17 +75,6 @@ STREAM_CONFIGS: tuple[StreamConfig, ...] = (
 )
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _span(n_words: int, cfg: StreamConfig, sms: int) -> tuple[int, int]:
     """(programs, words per program): about ``programs_per_sm`` programs per SM, spans a multiple of a step."""
     step = cfg.block * cfg.unroll
@@ -99,7 +88,7 @@ def stream_fold(words: torch.Tensor, cfg: StreamConfig = StreamConfig()) -> torc
         raise ValueError(f"want a 1-D int32 tensor, got {words.dtype} {tuple(words.shape)}")
     if cfg.unroll not in (1, 2, 4) or cfg.num_warps < 1 or cfg.num_warps & (cfg.num_warps - 1):
         raise ValueError(f"bad stream config {cfg}: unroll 1, 2 or 4, num_warps a power of two")
-    programs, per = _span(words.numel(), cfg, _sm_count(words.device))
+    programs, per = _span(words.numel(), cfg, sm_count(words.device))
     out = torch.empty((max(programs, 1), cfg.block), dtype=torch.int32, device=words.device)
     if words.numel() == 0:
         return out.zero_()

@@ -58,10 +58,8 @@ triton), where the dot path multiplies in fp32 (the interpreter's bf16 ``tl.dot`
 
 from __future__ import annotations
 
-import functools
 import json
 import math
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -69,6 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
+from perfkit.kernels.launch import interpreting, sm_count
 from perfkit.kernels.stream import stream_read_ms
 from perfkit.kernels.timing import graph_ms
 
@@ -539,7 +538,7 @@ def pick_config(M: int, path: str = "auto", dtype: torch.dtype = torch.bfloat16)
     by M: 16-row tiles up to M = 16, 64-row up to 64, 128-row beyond (fp32 activations: a smaller FMA tile). Under the CPU
     interpreter: INTERPRETER_CONFIG, clipped to the problem."""
     path = pick_path(M, path)
-    if _interpreting():
+    if interpreting():
         return INTERPRETER_CONFIG
     if path == "gemv":
         return GEMV_CONFIG
@@ -565,23 +564,8 @@ def _validate_config(cfg: W4A16Config, path: str) -> None:
         )
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _asm() -> bool:
-    return INLINE_ASM_CVT and not _interpreting()
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the CPU interpreter: split-K only for one-program grids (tests force it with split_k)
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return INLINE_ASM_CVT and not interpreting()
 
 
 def _fit(cfg: W4A16Config, path: str, M: int, N: int, K: int) -> W4A16Config:
@@ -591,7 +575,7 @@ def _fit(cfg: W4A16Config, path: str, M: int, N: int, K: int) -> W4A16Config:
     bn = min(cfg.block_n, max(lo, triton.next_power_of_2(N)))
     bk = min(cfg.block_k, max(16, triton.next_power_of_2(K)))
     bm = cfg.block_m
-    if path == "dot" and _interpreting():
+    if path == "dot" and interpreting():
         bm = min(bm, max(16, triton.next_power_of_2(M)))
     if (bm, bn, bk) == (cfg.block_m, cfg.block_n, cfg.block_k):
         return cfg
@@ -603,7 +587,7 @@ def _split_k(cfg: W4A16Config, device: torch.device, programs: int, K: int) -> t
     steps = triton.cdiv(K, cfg.block_k)
     split = cfg.split_k
     if split is None:
-        target = GEMV_MIN_PROGRAMS_PER_SM * _sm_count(device)
+        target = GEMV_MIN_PROGRAMS_PER_SM * sm_count(device)
         split = 1 if programs >= target else triton.cdiv(target, max(programs, 1))
     split = max(1, min(split, steps, MAX_SPLIT_K))
     k_per_split = triton.cdiv(steps, split) * cfg.block_k
@@ -711,7 +695,7 @@ def _launch_dot(
         x.stride(0), words.stride(0), scales.stride(0), stride_os, N, 1, gs_stride, k_per_split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=DOT_GROUP_M,
         EVEN_K=K % cfg.block_k == 0, GATHER_SCALES=gather_scales,
-        IEEE=x.dtype == torch.float32 or _interpreting(), ASM=_asm(),
+        IEEE=x.dtype == torch.float32 or interpreting(), ASM=_asm(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out if split == 1 else _finish_split(target, out)

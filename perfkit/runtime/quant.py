@@ -36,7 +36,6 @@ Loading ModelOpt NVFP4 checkpoints: :func:`load_nvfp4_checkpoint` (names ``<line
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -55,6 +54,7 @@ from perfkit.kernels.fp8 import (
     quantize_fp8_rowwise,
 )
 from perfkit.kernels.fp8_gemv import FP8_GEMV_MAX_M, fp8_gemv
+from perfkit.kernels.launch import interpreting
 from perfkit.kernels.moe import QuantExpertWeights, fused_moe_quantized
 from perfkit.kernels.w4a16_gemm import (
     dequantize_nvfp4,
@@ -69,10 +69,6 @@ EXCLUDED_IN_LAYERS = ("router.proj",)  # names (relative to a decoder layer) kep
 # --------------------------------------------------------------------------------------------------------------
 # Backend selection
 # --------------------------------------------------------------------------------------------------------------
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _flashinfer_fp4() -> Any | None:
@@ -93,7 +89,7 @@ def nvfp4_backend(device: torch.device | str) -> str:
         if torch.cuda.get_device_capability(device)[0] >= 10 and _flashinfer_fp4() is not None:
             return "fp4-native"
         return "w4a16-triton"
-    return "w4a16-triton" if _interpreting() else "w4a16-ref"
+    return "w4a16-triton" if interpreting() else "w4a16-ref"
 
 
 def fp8_backend(device: torch.device | str) -> str:
@@ -104,7 +100,7 @@ def expert_backend(scheme: str, device: torch.device | str) -> str:
     """``QuantizedExperts.backend``: the Triton kernels (``w4a16-triton`` / ``fp8-triton``) on CUDA and on CPU
     under the interpreter, else torch dequantisation (``w4a16-ref`` / ``fp8-dequant``). NVFP4 experts use the
     W4A16 kernels on sm_100 too (FlashInfer's FP4 GEMM has no grouped form here)."""
-    triton_ok = torch.device(device).type == "cuda" or _interpreting()
+    triton_ok = torch.device(device).type == "cuda" or interpreting()
     if scheme == "nvfp4":
         return "w4a16-triton" if triton_ok else "w4a16-ref"
     return "fp8-triton" if triton_ok else "fp8-dequant"

@@ -1,0 +1,27 @@
+"""Facts the Triton kernels' launchers size their grids by, in one place: whether kernels run under the CPU
+interpreter (``TRITON_INTERPRET=1``, which CI uses) and how many SMs the device has (split-K and grid rules)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """Triton kernels run under the CPU interpreter (read per call: tests set the variable before importing)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device; 1 elsewhere (the CPU interpreter: split-K only for one-program grids, so the tests
+    force it with an explicit split)."""
+    if device.type != "cuda":
+        return 1
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
