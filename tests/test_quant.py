@@ -257,6 +257,98 @@ def test_w4a16_gemv_int64_x_is_bit_identical(monkeypatch):
     assert torch.equal(wide, w4a16_gemm_gathered(x, qe, se, ge, ids, out_dtype=torch.float32))
 
 
+WIDE = W4A16Config(block_m=1, block_n=16, block_k=64, num_warps=4, num_stages=1, prefetch=2, wide=True)
+
+
+def _count_wide(monkeypatch) -> list[int]:
+    """Counts the launches of the wide M = 1 gemv kernel (which form ran is not visible in the output)."""
+    import perfkit.kernels.w4a16_gemm as wk
+
+    calls: list[int] = []
+    real = wk._launch_gemv_wide
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(wk, "_launch_gemv_wide", spy)
+    return calls
+
+
+def test_w4a16_gemv_wide_matches_reference(monkeypatch):
+    """The wide M = 1 kernel (16-byte weight loads, two row sets sharing x): within the fp32 bound of the
+    reference and of the narrow kernel's result, for whole and ragged last steps (clamped vs masked prefetch), rows
+    past N in either set, 1-3 steps, scalar and per-row global scales, bf16 and fp32 outputs."""
+    calls = _count_wide(monkeypatch)
+    for N, K, bk, per_row in ((40, 256, 64, True), (40, 224, 64, False), (5, 96, 32, True), (24, 64, 64, False)):
+        x, q, s, gs = _operands(1, N, K, torch.bfloat16, seed=40 + N + K, per_row_gs=per_row)
+        cfg = dataclasses.replace(WIDE, block_k=bk)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            out = w4a16_gemm(x, q, s, gs, out_dtype=out_dtype, config=cfg, path="gemv")
+            _assert_w4a16_close(out, x, q, s, gs)
+        narrow = dataclasses.replace(cfg, wide=False)
+        ref = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=narrow, path="gemv")
+        _assert_w4a16_close(w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=cfg, path="gemv"), x, q, s, gs, ref)
+    assert len(calls) == 12
+
+
+def test_w4a16_gemv_wide_decode_is_exact(monkeypatch):
+    """One-hot x through the wide kernel picks single weights: equal to the reference bit for bit over all 256
+    byte values in every byte position of its 16-byte chunks and both row sets."""
+    calls = _count_wide(monkeypatch)
+    N, K = 16, 512
+    gen = torch.Generator().manual_seed(5)
+    q = torch.stack([torch.randperm(256, generator=gen) for _ in range(N)]).to(torch.uint8)
+    s = (torch.rand(N, K // 16, generator=gen) * 300).to(torch.float8_e4m3fn)
+    q_, s_, gs = q.to(DEVICE), s.to(DEVICE), torch.tensor(0.37, device=DEVICE)
+    for col in (0, 7, 8, 15, 16, 31, 200, 511):  # positions in a word, a group, a 32-element chunk
+        x = torch.zeros(1, K, dtype=torch.bfloat16, device=DEVICE)
+        x[0, col] = 1.0
+        out = w4a16_gemm(x, q_, s_, gs, out_dtype=torch.float32, config=dataclasses.replace(WIDE, block_k=128))
+        torch.testing.assert_close(out, w4a16_gemm_ref(x, q_, s_, gs, out_dtype=torch.float32), atol=0, rtol=0)
+    assert len(calls) == 8
+
+
+def test_w4a16_gemv_wide_falls_back_to_narrow(monkeypatch):
+    """A wide tile runs the narrow kernel where the wide one does not apply: M > 1, fp16 x, K % 32 != 0, x not
+    8-byte aligned, the gathered MoE form. Same results as the narrow tile (same kernel)."""
+    calls = _count_wide(monkeypatch)
+    narrow = dataclasses.replace(WIDE, wide=False)
+    cases = [_operands(2, 24, 64, torch.bfloat16, seed=50), _operands(1, 24, 64, torch.float16, seed=51),
+             _operands(1, 24, 48, torch.bfloat16, seed=52)]  # fmt: skip
+    _, q, s, gs = _operands(1, 24, 64, torch.bfloat16, seed=53)
+    x = torch.randn(1, 66, device=DEVICE).to(torch.bfloat16)[:, 2:]  # K = 64 at a 4-byte offset
+    cases.append((x, q, s, gs))
+    for x, q, s, gs in cases:
+        out = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=WIDE, path="gemv")
+        assert torch.equal(out, w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=narrow, path="gemv"))
+    qe, se, ge = quantize_nvfp4(torch.randn(3, 24, 64) * 0.05)
+    xe, ids = torch.randn(1, 64).to(torch.bfloat16), torch.tensor([1])
+    wide = w4a16_gemm_gathered(xe, qe, se, ge, ids, out_dtype=torch.float32, config=WIDE)
+    assert torch.equal(wide, w4a16_gemm_gathered(xe, qe, se, ge, ids, out_dtype=torch.float32, config=narrow))
+    assert calls == []
+    with pytest.raises(ValueError, match="wide: the gemv path only"):
+        w4a16_gemm(xe, qe[0], se[0], ge[0], config=dataclasses.replace(WIDE, block_m=16), path="dot")
+    with pytest.raises(ValueError, match="block_k >= 32"):
+        w4a16_gemm(xe, qe[0], se[0], ge[0], config=dataclasses.replace(WIDE, block_k=16), path="gemv")
+
+
+def test_w4a16_pick_config_wide_by_grid(monkeypatch):
+    """M = 1 with bf16 x and a known grid: the narrow tile below GEMV_WIDE_MIN_PROGRAMS_PER_SM programs of 16 rows
+    per SM, the 1024-wide 8-warp tile up to GEMV_WIDE_DEEP_PROGRAMS_PER_SM, then the 512-wide one (the 31B and
+    26B-A4B shapes on 132 SMs as measured); everything else keeps its tile."""
+    import perfkit.kernels.w4a16_gemm as wk
+
+    monkeypatch.setattr(wk, "interpreting", lambda: False)
+    assert pick_config(1, "gemv", torch.bfloat16, 2816, 132) is wk.GEMV_CONFIG
+    assert pick_config(1, "gemv", torch.bfloat16, 5376, 132) is wk.GEMV_WIDE_DEEP_CONFIG
+    assert pick_config(1, "gemv", torch.bfloat16, 16384, 132) is wk.GEMV_WIDE_CONFIG
+    assert pick_config(1, "gemv", torch.bfloat16, 43008, 132) is wk.GEMV_WIDE_CONFIG
+    assert pick_config(1, "gemv", torch.float16, 43008, 132) is wk.GEMV_CONFIG
+    assert pick_config(1, "gemv") is wk.GEMV_CONFIG  # no grid known
+    assert pick_config(4, "gemv", torch.bfloat16, 43008, 132) is wk.GEMV_CONFIG
+
+
 def test_w4a16_split_k_rule():
     """split-K only below GEMV_MIN_PROGRAMS_PER_SM programs per SM (the CPU counts as one SM), at most
     MAX_SPLIT_K and the number of K steps; whole K steps per split."""

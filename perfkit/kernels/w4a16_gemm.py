@@ -38,6 +38,13 @@ the H200 sweep, ``python3 -m perfkit.kernels.w4a16_gemm --sweep``, sets them):
   per element (its FMA, x loads and conversions), which is why larger M goes to the tensor cores. Split-K only when
   the grid has fewer than GEMV_MIN_PROGRAMS_PER_SM programs per SM: fp32 partials [S, M, N] summed in a fixed
   order by one small kernel (deterministic, no atomics).
+  At M = 1 with bf16 x (the decode step) the default is the wide form, ``_w4a16_gemv_wide_kernel``: each thread
+  owns 32 consecutive K of a row per step (one 16-byte weight load, one 2-byte scale load), and a program's 16
+  rows are two sets of 8 in one layout, so each thread's x is loaded and converted once for two rows (5.8
+  instructions per weight element instead of 7.3); whole last steps re-read a clamped step instead of masking
+  the prefetch. Timed on the H200 (12-01e) it is 10-19 % faster on the 31B projections, where the narrow form's
+  ncu profile had shown long-scoreboard stalls first (too few bytes in flight per warp) and a saturated issue
+  slot second; the 26B-A4B's 2816-row projections, 176 programs of 16 rows, stay narrow (``pick_config``).
 - ``dot`` (M between): the same decoded planes, times their block scales, joined in-thread into an exact fp32
   [BLOCK_N, BLOCK_K] tile in K order (the scales broadcast as [BLOCK_N, BLOCK_K/16, 1]: no reshape), cast to x's
   dtype and fed to a tensor-core ``tl.dot`` (fp32 accumulate; BLOCK_M >= 64 compiles to wgmma with the tile staged
@@ -58,6 +65,7 @@ triton), where the dot path multiplies in fp32 (the interpreter's bf16 ``tl.dot`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -165,6 +173,31 @@ def _bf16_pair(v):
 
 
 @triton.jit
+def _x_elems(a, b):
+    """Two int64 words of bf16 x (elements 0-3 and 4-7 of one weight word's span) -> its 8 elements as fp32."""
+    x0, x1 = _bf16_pair(a.to(tl.int32))
+    x2, x3 = _bf16_pair((a >> 32).to(tl.int32))
+    x4, x5 = _bf16_pair(b.to(tl.int32))
+    x6, x7 = _bf16_pair((b >> 32).to(tl.int32))
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _word_sums(l0, h0, l1, h1, l2, h2, l3, h3, x0, x1, x2, x3, x4, x5, x6, x7):
+    """The 8 products of each weight word (decoded planes ``_e2m1_decode``) with its x elements, summed: one FMA
+    chain per word, in the order of the 2-byte form (same sums, bit for bit)."""
+    part = l0 * x0
+    part += h0 * x4
+    part += l1 * x1
+    part += h1 * x5
+    part += l2 * x2
+    part += h2 * x6
+    part += l3 * x3
+    part += h3 * x7
+    return part
+
+
+@triton.jit
 def _gemv_row(acc, l0, h0, l1, h1, l2, h2, l3, h3, sf, xp, x_mask, x_other, X64: tl.constexpr):
     """acc [BN, G] + one row of x against the decoded words (``_e2m1_decode``, [BN, G, 2] each): the 16 products
     of each group summed, times the group's scale factor ``sf`` [BN, G]. ``xp`` [1, G, 2]: pointers to x at each
@@ -175,10 +208,7 @@ def _gemv_row(acc, l0, h0, l1, h1, l2, h2, l3, h3, sf, xp, x_mask, x_other, X64:
     if X64:
         a = tl.load(xp, mask=x_mask, other=x_other)  # codes 0-3 of each word
         b = tl.load(xp + 1, mask=x_mask, other=x_other)  # codes 4-7
-        x0, x1 = _bf16_pair(a.to(tl.int32))
-        x2, x3 = _bf16_pair((a >> 32).to(tl.int32))
-        x4, x5 = _bf16_pair(b.to(tl.int32))
-        x6, x7 = _bf16_pair((b >> 32).to(tl.int32))
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_elems(a, b)
     else:
         x0 = tl.load(xp, mask=x_mask, other=x_other).to(tl.float32)
         x1 = tl.load(xp + 1, mask=x_mask, other=x_other).to(tl.float32)
@@ -188,14 +218,7 @@ def _gemv_row(acc, l0, h0, l1, h1, l2, h2, l3, h3, sf, xp, x_mask, x_other, X64:
         x5 = tl.load(xp + 5, mask=x_mask, other=x_other).to(tl.float32)
         x6 = tl.load(xp + 6, mask=x_mask, other=x_other).to(tl.float32)
         x7 = tl.load(xp + 7, mask=x_mask, other=x_other).to(tl.float32)
-    part = l0 * x0  # one FMA chain per word, in the order of the 2-byte form (same sums, bit for bit)
-    part += h0 * x4
-    part += l1 * x1
-    part += h1 * x5
-    part += l2 * x2
-    part += h2 * x6
-    part += l3 * x3
-    part += h3 * x7
+    part = _word_sums(l0, h0, l1, h1, l2, h2, l3, h3, x0, x1, x2, x3, x4, x5, x6, x7)
     return acc + tl.sum(part, axis=2) * sf
 
 
@@ -322,6 +345,101 @@ def _w4a16_gemv_kernel(
     if BLOCK_M > 2:
         _gemv_store(acc2, gs, out_n, m0 + 2, M, stride_om, offs_n, N)
         _gemv_store(acc3, gs, out_n, m0 + 3, M, stride_om, offs_n, N)
+
+
+@triton.jit
+def _wide_step(w_base, s_base, k0, K, c, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Words [H, C, 4] (one 16-byte load per thread) and raw scales [H, C, 2] (2 bytes) of the step at k0. EVEN_K:
+    a step past the end re-reads the last one (clamped, never used), so the loads need no masks; else zeros past
+    K, per 32-element chunk."""
+    if EVEN_K:
+        kk = tl.minimum(k0, K - BLOCK_K)
+        w = tl.load(w_base + tl.multiple_of(kk // 8, 4))
+        s = tl.load(s_base + tl.multiple_of(kk // 16, 2))
+    else:
+        ok = ((k0 + 32 * c) < K)[None, :, None]
+        w = tl.load(w_base + k0 // 8, mask=ok, other=0)
+        s = tl.load(s_base + k0 // 16, mask=ok, other=0)
+    return w, s
+
+
+@triton.jit
+def _wide_rows(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
+    """acc [H, C, 2] (per scale group) + one row set's words [H, C, 4] against x's elements [1, C, 4] each."""
+    H: tl.constexpr = w.shape[0]
+    C: tl.constexpr = w.shape[1]
+    sf = _e4m3_times_2m8(s) * 4194304.0  # [H, C, 2]; 2^22 undoes 2^-14 * 2^-8
+    l0, h0, l1, h1, l2, h2, l3, h3 = _e2m1_decode(w.to(tl.uint32, bitcast=True), ASM)
+    part = _word_sums(l0, h0, l1, h1, l2, h2, l3, h3, x0, x1, x2, x3, x4, x5, x6, x7)  # [H, C, 4]
+    even, odd = tl.split(tl.reshape(part, (H, C, 2, 2)))  # words (0, 2) and (1, 3) of each chunk
+    return acc + (even + odd) * sf  # group sums times their scales
+
+
+@triton.jit
+def _wide_store(acc, gs_ptr, gs_stride, out_ptr, offs, rows, N):
+    y = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(gs_ptr + rows * gs_stride)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=offs < N)
+
+
+@triton.jit
+def _w4a16_gemv_wide_kernel(
+    x_ptr,  # [1, K] bf16 activations, 8-byte aligned, read as int64 words
+    w_ptr,  # [N, K/8] int32 packed weight, K % 32 == 0 (rows of 16-byte chunks)
+    s_ptr,  # [N, K/16] uint8 raw e4m3 block scales
+    gs_ptr,  # fp32 global scale: [1] / [N] (gs_stride 0 / 1)
+    out_ptr,  # [1, N]
+    N,
+    K,
+    stride_wn,
+    stride_sn,
+    gs_stride,
+    H: tl.constexpr,  # rows per set; a program owns 2 H rows
+    BLOCK_K: tl.constexpr,  # >= 32
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: clamped prefetch, no masks
+    ASM: tl.constexpr,
+):
+    """The M = 1 gemv in the wide form (``W4A16Config.wide``): each thread owns 32 consecutive K of a row per step
+    (4 words = 2 scale groups: one 16-byte load, one 2-byte scale load), and the program's rows are two sets of H
+    in the same layout, so each thread loads and converts its 32 x elements once for two weight rows. Two steps
+    in flight as in the narrow kernel. Per weight element: 5.8 SASS instructions in the loop (narrow: 7.3), no
+    shared memory (sm_90, Triton 3.9 offline compile, 16 x 1024 x 8 warps and 16 x 512 x 4 warps)."""
+    pid = tl.program_id(0)
+    C: tl.constexpr = BLOCK_K // 32  # chunks of 32 elements: one per thread and row set
+    offs_a = pid * 2 * H + tl.arange(0, H)
+    offs_b = offs_a + H
+    ra = tl.minimum(offs_a, N - 1).to(tl.int64)  # rows past N re-read row N - 1 (not stored)
+    rb = tl.minimum(offs_b, N - 1).to(tl.int64)
+    c = tl.arange(0, C)
+    wcol = (4 * c[:, None] + tl.arange(0, 4)[None, :])[None, :, :]  # [1, C, 4]
+    scol = (2 * c[:, None] + tl.arange(0, 2)[None, :])[None, :, :]  # [1, C, 2]
+    wa = w_ptr + tl.multiple_of(ra * stride_wn, 4)[:, None, None] + wcol
+    wb = w_ptr + tl.multiple_of(rb * stride_wn, 4)[:, None, None] + wcol
+    sa = s_ptr + tl.multiple_of(ra * stride_sn, 2)[:, None, None] + scol
+    sb = s_ptr + tl.multiple_of(rb * stride_sn, 2)[:, None, None] + scol
+    xp = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + (8 * c[:, None] + 2 * tl.arange(0, 4)[None, :])[None, :, :]
+    acc_a = tl.zeros((H, C, 2), dtype=tl.float32)
+    acc_b = tl.zeros((H, C, 2), dtype=tl.float32)
+    w_a, s_a = _wide_step(wa, sa, 0, K, c, EVEN_K, BLOCK_K)
+    w_b, s_b = _wide_step(wb, sb, 0, K, c, EVEN_K, BLOCK_K)
+    w_a1, s_a1 = _wide_step(wa, sa, BLOCK_K, K, c, EVEN_K, BLOCK_K)
+    w_b1, s_b1 = _wide_step(wb, sb, BLOCK_K, K, c, EVEN_K, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        w_a2, s_a2 = _wide_step(wa, sa, k0 + 2 * BLOCK_K, K, c, EVEN_K, BLOCK_K)  # in flight meanwhile
+        w_b2, s_b2 = _wide_step(wb, sb, k0 + 2 * BLOCK_K, K, c, EVEN_K, BLOCK_K)
+        if EVEN_K:
+            a = tl.load(xp + k0 // 4)  # elements 0-3 of each word
+            b = tl.load(xp + k0 // 4 + 1)  # 4-7
+        else:
+            x_ok = ((k0 + 32 * c) < K)[None, :, None]
+            a = tl.load(xp + k0 // 4, mask=x_ok, other=0)
+            b = tl.load(xp + k0 // 4 + 1, mask=x_ok, other=0)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_elems(a, b)
+        acc_a = _wide_rows(acc_a, w_a, s_a, x0, x1, x2, x3, x4, x5, x6, x7, ASM)
+        acc_b = _wide_rows(acc_b, w_b, s_b, x0, x1, x2, x3, x4, x5, x6, x7, ASM)
+        w_a, s_a, w_a1, s_a1 = w_a1, s_a1, w_a2, s_a2
+        w_b, s_b, w_b1, s_b1 = w_b1, s_b1, w_b2, s_b2
+    _wide_store(acc_a, gs_ptr, gs_stride, out_ptr, offs_a, ra, N)
+    _wide_store(acc_b, gs_ptr, gs_stride, out_ptr, offs_b, rb, N)
 
 
 @triton.jit
@@ -492,7 +610,10 @@ class W4A16Config:
 
     ``split_k``: None = chosen from the grid and the SM count (gemv, dot), 1 = never. ``prefetch`` (gemv): weight
     steps loaded ahead of the one being decoded, in registers (2 doubles the bytes in flight per program; it
-    beat one step ahead by 8-14 % on the 12-01c sweep)."""
+    beat one step ahead by 8-14 % on the 12-01c sweep). ``wide`` (gemv): at M = 1 with bf16 x and K % 32 == 0,
+    ``_w4a16_gemv_wide_kernel`` (16-byte weight loads, two row sets of ``block_n / 2`` sharing each thread's x,
+    always two steps ahead, no split-K; ``block_n >= 2``, ``block_k >= 32``); other problems run the narrow
+    kernel with the same tile."""
 
     block_m: int
     block_n: int
@@ -501,6 +622,7 @@ class W4A16Config:
     num_stages: int
     split_k: int | None = None
     prefetch: int = 1
+    wide: bool = False
 
 
 # gemv: 4 weight rows x 512 K = 1 KB of weight per program and step, two more steps in flight (prefetch=2):
@@ -512,6 +634,16 @@ class W4A16Config:
 # next to the dequantisation. dot 16 x 64 x 128 (M 2-16) and 64 x 64 x 128 (M 17-64),
 # 3 stages; the 128 x 128 x 64 tile for larger M (dot loses to dequant_mm there): the 12-01b sweep's best.
 GEMV_CONFIG = W4A16Config(block_m=4, block_n=4, block_k=512, num_warps=4, num_stages=1, prefetch=2)
+# M = 1, bf16 x: the wide kernel, 16 rows per program, its tile by grid size (``pick_config`` with N). The H200
+# A/B of 12-01e (docs/h200-runs/2026-12-01e/, % of the measured read ceiling): 5376 x 21504 53.9 -> 60.0 %
+# (47.6 -> 42.8 us, 1024 x 8 warps), 43008 x 5376 50.7 -> 62.8 % (85.2 -> 68.8 us, 512 x 4 warps), 16384 x 5376
+# 54 -> 60.5 %, 5376 x 16384 54 -> 58.9 %. Below GEMV_WIDE_MIN_PROGRAMS_PER_SM programs of 16 rows per SM (the
+# 26B-A4B's 2816-row projections) the narrow GEMV_CONFIG stays ahead (8.4 vs 9.9 us at 2816 x 2048); up to
+# GEMV_WIDE_DEEP_PROGRAMS_PER_SM the 1024-wide 8-warp steps win (few rows, long K), beyond them 512 x 4 warps.
+GEMV_WIDE_CONFIG = W4A16Config(block_m=1, block_n=16, block_k=512, num_warps=4, num_stages=1, prefetch=2, wide=True)
+GEMV_WIDE_DEEP_CONFIG = W4A16Config(1, 16, 1024, num_warps=8, num_stages=1, prefetch=2, wide=True)
+GEMV_WIDE_MIN_PROGRAMS_PER_SM = 2
+GEMV_WIDE_DEEP_PROGRAMS_PER_SM = 4
 DOT_TINY_CONFIG = W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 DOT_SMALL_CONFIG = W4A16Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
 DOT_LARGE_CONFIG = W4A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
@@ -533,15 +665,23 @@ def pick_path(M: int, path: str = "auto") -> str:
     return "dequant_mm" if M >= DEQUANT_MM_MIN_M else "dot"
 
 
-def pick_config(M: int, path: str = "auto", dtype: torch.dtype = torch.bfloat16) -> W4A16Config:
+def pick_config(
+    M: int, path: str = "auto", dtype: torch.dtype = torch.bfloat16, N: int | None = None, sms: int | None = None
+) -> W4A16Config:
     """The fixed default tile of ``path`` (resolved by M for "auto") for activations of ``dtype``; the dot path's
-    by M: 16-row tiles up to M = 16, 64-row up to 64, 128-row beyond (fp32 activations: a smaller FMA tile). Under the CPU
-    interpreter: INTERPRETER_CONFIG, clipped to the problem."""
+    by M: 16-row tiles up to M = 16, 64-row up to 64, 128-row beyond (fp32 activations: a smaller FMA tile); the
+    gemv's at M = 1 with bf16 x, given N and the SM count: a wide tile by programs per SM (GEMV_WIDE_*). Under
+    the CPU interpreter: INTERPRETER_CONFIG, clipped to the problem."""
     path = pick_path(M, path)
     if interpreting():
         return INTERPRETER_CONFIG
     if path == "gemv":
-        return GEMV_CONFIG
+        if M != 1 or dtype != torch.bfloat16 or N is None or sms is None:
+            return GEMV_CONFIG
+        per_sm = triton.cdiv(N, GEMV_WIDE_CONFIG.block_n) / sms
+        if per_sm < GEMV_WIDE_MIN_PROGRAMS_PER_SM:
+            return GEMV_CONFIG
+        return GEMV_WIDE_DEEP_CONFIG if per_sm <= GEMV_WIDE_DEEP_PROGRAMS_PER_SM else GEMV_WIDE_CONFIG
     if path == "dequant_mm":
         return DEQUANT_CONFIG
     if dtype == torch.float32:
@@ -557,10 +697,12 @@ def _validate_config(cfg: W4A16Config, path: str) -> None:
     ok = pow2(cfg.block_n) and pow2(cfg.block_k) and cfg.block_k >= 16 and cfg.block_n >= lo
     ok = ok and pow2(cfg.block_m) and (path != "dot" or cfg.block_m >= 16) and pow2(cfg.num_warps)
     ok = ok and (cfg.split_k is None or cfg.split_k >= 1) and cfg.num_stages >= 1 and cfg.prefetch in (1, 2)
+    ok = ok and (not cfg.wide or (path == "gemv" and cfg.block_n >= 2 and cfg.block_k >= 32))
     if not ok:
         raise ValueError(
             f"bad {path} config {cfg}: block sizes must be powers of two, block_k >= 16, prefetch 1 or 2"
             + (", block_m and block_n >= 16" if path == "dot" else "")
+            + ("; wide: the gemv path only, block_n >= 2, block_k >= 32" if cfg.wide else "")
         )
 
 
@@ -571,15 +713,13 @@ def _asm() -> bool:
 def _fit(cfg: W4A16Config, path: str, M: int, N: int, K: int) -> W4A16Config:
     """The tile clipped to the problem (powers of two >= N, K; the interpreter also clips the dot path's rows):
     no change at real model shapes, much less wasted work at the tiny ones the CPU tests run."""
-    lo = 16 if path == "dot" else 1
+    lo = 16 if path == "dot" else 2 if cfg.wide else 1
     bn = min(cfg.block_n, max(lo, triton.next_power_of_2(N)))
-    bk = min(cfg.block_k, max(16, triton.next_power_of_2(K)))
+    bk = min(cfg.block_k, max(32 if cfg.wide else 16, triton.next_power_of_2(K)))
     bm = cfg.block_m
     if path == "dot" and interpreting():
         bm = min(bm, max(16, triton.next_power_of_2(M)))
-    if (bm, bn, bk) == (cfg.block_m, cfg.block_n, cfg.block_k):
-        return cfg
-    return W4A16Config(bm, bn, bk, cfg.num_warps, cfg.num_stages, cfg.split_k)
+    return dataclasses.replace(cfg, block_m=bm, block_n=bn, block_k=bk)
 
 
 def _split_k(cfg: W4A16Config, device: torch.device, programs: int, K: int) -> tuple[int, int]:
@@ -651,6 +791,8 @@ def _launch_gemv(
     N = words.shape[-2]
     cfg = _fit(cfg, "gemv", M, N, K)
     per_row = expert_ids is not None
+    if cfg.wide and M == 1 and not per_row and _x64(x) and K % 32 == 0:
+        return _launch_gemv_wide(x, words, scales, gs, gs_stride, out_dtype, cfg)
     bm = 1 if per_row else min(cfg.block_m, GEMV_MAX_ROWS, triton.next_power_of_2(M))
     grid_m = M if per_row else triton.cdiv(M, bm)
     grid_n = triton.cdiv(N, cfg.block_n)
@@ -669,6 +811,25 @@ def _launch_gemv(
         num_stages=cfg.num_stages,
     )  # fmt: skip
     return out if split == 1 else _finish_split(target, out)
+
+
+def _launch_gemv_wide(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    gs: torch.Tensor,
+    gs_stride: int,
+    out_dtype: torch.dtype,
+    cfg: W4A16Config,
+) -> torch.Tensor:
+    K = x.shape[1]
+    N = words.shape[0]
+    out = torch.empty((1, N), dtype=out_dtype, device=x.device)
+    _w4a16_gemv_wide_kernel[(triton.cdiv(N, cfg.block_n),)](
+        x, words, scales, gs, out, N, K, words.stride(0), scales.stride(0), gs_stride,
+        H=cfg.block_n // 2, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, ASM=_asm(), num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return out
 
 
 def _launch_dot(
@@ -789,7 +950,7 @@ def w4a16_gemm(
     chosen = pick_path(M, path)
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"scale_mode {scale_mode!r}: allowed values are {', '.join(SCALE_MODES)}")
-    cfg = config or pick_config(M, chosen, x.dtype)
+    cfg = config or pick_config(M, chosen, x.dtype, N, sm_count(x.device))
     _validate_config(cfg, chosen)
     gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device).reshape(-1)
     if gs.numel() not in (1, N):
@@ -985,7 +1146,7 @@ def _bench_case(
     M, K = x.shape
     N = packed.shape[0]
     chosen = pick_path(M, path)
-    cfg = config or pick_config(M, chosen, x.dtype)
+    cfg = config or pick_config(M, chosen, x.dtype, N, sm_count(x.device))
 
     def fn():
         return w4a16_gemm(x, packed, scale, gs, config=cfg, scale_mode=scale_mode, path=chosen)
@@ -1054,11 +1215,17 @@ SWEEP_SHAPES: tuple[tuple[int, int, int], ...] = tuple(
 ) + tuple((m, 21504, 5376) for m in (64, 256, 512, 2048))
 SWEEP_PATHS = ("gemv", "dot", "dequant_mm")
 # Tiles timed per path (None = the default tile). gemv: 8-32 weight rows per program, 2-16 KB of weight per
-# program and step (the next step in flight meanwhile), split-K forced on one. dot: mma.sync 16-row tiles, and
-# wgmma 64- and 128-row ones. All compile for sm_90 without spills.
+# program and step (the next step in flight meanwhile), split-K forced on one; the wide kernel's 16-row tiles
+# (at M = 1 with bf16 x; the narrow kernel elsewhere). dot: mma.sync 16-row tiles, and wgmma 64- and 128-row
+# ones. All compile for sm_90 without spills.
 SWEEP_CONFIGS: dict[str, tuple[W4A16Config | None, ...]] = {
     "gemv": (
-        None,  # GEMV_CONFIG: 4 x 512, 4 warps, prefetch 2
+        None,  # pick_config: GEMV_CONFIG (4 x 512, 4 warps, prefetch 2), or a wide tile at M = 1
+        GEMV_CONFIG,
+        GEMV_WIDE_CONFIG,
+        GEMV_WIDE_DEEP_CONFIG,
+        W4A16Config(block_m=1, block_n=16, block_k=256, num_warps=4, num_stages=1, prefetch=2, wide=True),
+        W4A16Config(block_m=1, block_n=16, block_k=256, num_warps=2, num_stages=1, prefetch=2, wide=True),
         W4A16Config(block_m=4, block_n=8, block_k=512, num_warps=4, num_stages=1),
         W4A16Config(block_m=4, block_n=16, block_k=512, num_warps=4, num_stages=1),
         W4A16Config(block_m=4, block_n=32, block_k=512, num_warps=4, num_stages=1),
@@ -1175,7 +1342,7 @@ def sweep_w4a16(
                             )
                         )
                     except Exception as exc:  # a tile that does not compile or fit: record it, keep sweeping
-                        emit({"M": M, "N": N, "K": K, "path": p, "config": asdict(cfg or pick_config(M, p, dtype)),
+                        emit({"M": M, "N": N, "K": K, "path": p, "config": asdict(cfg or pick_config(M, p, dtype, N, sm_count(x.device))),
                               "error": f"{type(exc).__name__}: {exc}"[:300]})  # fmt: skip
             del ref
         del packed, scale, gs, w_dense
