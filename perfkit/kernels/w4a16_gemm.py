@@ -635,11 +635,12 @@ class W4A16Config:
 # 3 stages; the 128 x 128 x 64 tile for larger M (dot loses to dequant_mm there): the 12-01b sweep's best.
 GEMV_CONFIG = W4A16Config(block_m=4, block_n=4, block_k=512, num_warps=4, num_stages=1, prefetch=2)
 # M = 1, bf16 x: the wide kernel, 16 rows per program, its tile by grid size (``pick_config`` with N). The H200
-# A/B of 12-01e (docs/h200-runs/2026-12-01e/, % of the measured read ceiling): 5376 x 21504 53.9 -> 60.0 %
-# (47.6 -> 42.8 us, 1024 x 8 warps), 43008 x 5376 50.7 -> 62.8 % (85.2 -> 68.8 us, 512 x 4 warps), 16384 x 5376
-# 54 -> 60.5 %, 5376 x 16384 54 -> 58.9 %. Below GEMV_WIDE_MIN_PROGRAMS_PER_SM programs of 16 rows per SM (the
-# 26B-A4B's 2816-row projections) the narrow GEMV_CONFIG stays ahead (8.4 vs 9.9 us at 2816 x 2048); up to
-# GEMV_WIDE_DEEP_PROGRAMS_PER_SM the 1024-wide 8-warp steps win (few rows, long K), beyond them 512 x 4 warps.
+# sweep of 12-01e (docs/h200-runs/2026-12-01e/5-w4a16_wide_sweep.jsonl, narrow -> wide, % of the measured read
+# ceiling): 5376 x 21504 55.0 -> 61.0 % (47.5 -> 42.8 us, 1024 x 8 warps), 43008 x 5376 51.6 -> 63.4 % (85.2 ->
+# 69.3 us, 512 x 4 warps), 16384 x 5376 55.4 -> 61.3 %, 5376 x 16384 55.9 -> 59.2 %. Below
+# GEMV_WIDE_MIN_PROGRAMS_PER_SM programs of 16 rows per SM (the 26B-A4B's 2816-row projections) the narrow
+# GEMV_CONFIG stays ahead (8.9 vs 10.3 us at 2816 x 2048); up to GEMV_WIDE_DEEP_PROGRAMS_PER_SM the 1024-wide
+# 8-warp steps win (few rows, long K), beyond them 512 x 4 warps.
 GEMV_WIDE_CONFIG = W4A16Config(block_m=1, block_n=16, block_k=512, num_warps=4, num_stages=1, prefetch=2, wide=True)
 GEMV_WIDE_DEEP_CONFIG = W4A16Config(1, 16, 1024, num_warps=8, num_stages=1, prefetch=2, wide=True)
 GEMV_WIDE_MIN_PROGRAMS_PER_SM = 2
