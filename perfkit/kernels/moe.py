@@ -54,6 +54,11 @@ the accumulator in the epilogue. Weight-only: x stays in its dtype. Weight bytes
 ``QuantExpertWeights.dequantize()``). Why not the per-expert loop the quantised experts used before:
 its ``bincount(...).tolist()`` synced every MoE layer and launched 2 GEMMs per active expert (~128 per layer at
 batch 64): 1.33 s per decode step on the H200 at c64, and no decode graph captured above batch 8.
+``path="gather"`` (NVFP4, bf16 x): the decode form, two kernels built on the wide W4A16 gemv
+(``w4a16_gemm._wide_loop``: 16-byte weight loads, two row sets per program sharing x). gate_up takes a pair's
+gate rows and up rows as its two sets, with GeGLU in the epilogue. down writes each pair's weighted product in
+fp32, and torch sums the K slots. CPU-tested against the reference; not yet timed on a GPU, so
+``QuantizedExperts`` uses it only with ``gather_kernels`` on.
 
 Math: bf16 (or fp32) operands, fp32 accumulation (fp32 inputs use IEEE dots, no TF32), outputs in x's dtype.
 Under ``TRITON_INTERPRET=1`` the sorted kernel upcasts its bf16 tiles to fp32 before ``tl.dot`` (``UPCAST``: the
@@ -78,7 +83,17 @@ import triton.language as tl
 
 from perfkit.kernels.launch import interpreting
 from perfkit.kernels.timing import graph_ms
-from perfkit.kernels.w4a16_gemm import _asm, _dequant_tile, _e4m3_times_2m8, _words, dequantize_nvfp4
+from perfkit.kernels.w4a16_gemm import (
+    _asm,
+    _dequant_tile,
+    _e4m3_times_2m8,
+    _wide_loop,
+    _wide_ptrs,
+    _wide_sum,
+    _wide_x,
+    _words,
+    dequantize_nvfp4,
+)
 
 HBM_BYTES_PER_S = 4.3e12  # achievable H200 DRAM bandwidth used for "% of bound" (as in w4a16_gemm)
 MOE_PATHS = ("auto", "gather", "sorted")
@@ -93,6 +108,11 @@ MOE_GATHER_MAX_PAIRS = 64
 GATHER_GATE_UP_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8}  # BLOCK_N rows of I, BLOCK_K of H
 GATHER_DOWN_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8}  # BLOCK_N rows of H, BLOCK_K of I
 _TILE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+# NVFP4 gather kernels (``_fused_moe_gather_w4a16``): the wide W4A16 gemv's layout (each thread 32 consecutive K
+# of a row: BLOCK_N or BLOCK_N / 2 rows per set x BLOCK_K / 32 chunks = 32 x num_warps threads). Not yet timed on
+# a GPU (``QuantizedExperts.gather_kernels`` keeps them off by default).
+GATHER_W4A16_GATE_UP_TILES = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4}  # 8 gate + 8 up rows of I, 512 of H
+GATHER_W4A16_DOWN_TILES = {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 1}  # 2 x 8 rows of H, 128 of I per pair
 
 # --------------------------------------------------------------------------------------------------------------
 # Triton kernels
@@ -408,6 +428,96 @@ def _moe_gather_down_kernel(
     tl.store(out_ptr + t * stride_out + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=nmask)
 
 
+@triton.jit
+def _moe_gather_gate_up_w4a16_kernel(
+    x_ptr,  # [T, H] bf16 tokens, rows 8-byte aligned
+    w_ptr,  # int32 words [E, 2I, H/8] of the NVFP4 gate_up_proj (rows [0, I) gate, [I, 2I) up), H % 32 == 0
+    s_ptr,  # uint8 raw e4m3 block scales [E, 2I, H/16]
+    rs_ptr,  # fp32 [E, 2I] per-row global scale
+    act_ptr,  # [T*K, I] out, pair order, x's dtype
+    idx_ptr,  # [T*K] expert of each pair
+    topw_ptr,  # [T*K] routing weights (only tested against 0: such a pair's loop reads nothing, act row = 0)
+    inter,
+    H,
+    top_k,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_re,
+    stride_act,
+    BLOCK_N: tl.constexpr,  # rows of I per program: its gate rows and their up rows are the two row sets
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # H % BLOCK_K == 0
+    ASM: tl.constexpr,
+):
+    """One program per (pair p, BLOCK_N rows of I): the wide W4A16 gemv (``w4a16_gemm._wide_loop``) of x[p // K]
+    against expert idx[p]'s gate rows and up rows at once (x converted once for both), GeGLU in the epilogue."""
+    p = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    e = tl.load(idx_ptr + p).to(tl.int64)
+    live = (tl.load(topw_ptr + p) != 0).to(tl.int32)
+    c = tl.arange(0, BLOCK_K // 32)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rg = tl.minimum(offs_n, inter - 1).to(tl.int64)  # rows past I re-read row I - 1 (not stored)
+    ru = rg + inter
+    wg, sg = _wide_ptrs(w_ptr + e * stride_we, s_ptr + e * stride_se, rg, stride_wn, stride_sn, c)
+    wu, su = _wide_ptrs(w_ptr + e * stride_we, s_ptr + e * stride_se, ru, stride_wn, stride_sn, c)
+    xp = _wide_x(x_ptr + (p // top_k) * stride_x, c)
+    acc_g, acc_u = _wide_loop(wg, sg, wu, su, xp, H * live, H, c, EVEN_K, BLOCK_K, ASM)
+    g = _wide_sum(acc_g) * tl.load(rs_ptr + e * stride_re + rg)
+    u = _wide_sum(acc_u) * tl.load(rs_ptr + e * stride_re + ru)
+    a = _gelu_tanh_f32(g) * u
+    tl.store(act_ptr + p * stride_act + offs_n, a.to(act_ptr.dtype.element_ty), mask=offs_n < inter)
+
+
+@triton.jit
+def _moe_gather_down_w4a16_kernel(
+    act_ptr,  # [T*K, I] bf16 gate_up output, pair order, rows 8-byte aligned
+    w_ptr,  # int32 words [E, H, I/8] of the NVFP4 down_proj, I % 32 == 0
+    s_ptr,  # uint8 raw e4m3 block scales [E, H, I/16]
+    rs_ptr,  # fp32 [E, H] per-row global scale
+    y_ptr,  # [T*K, H] fp32 out: each pair's weighted product (the launcher sums the K slots)
+    idx_ptr,  # [T*K] expert of each pair
+    topw_ptr,  # [T*K] routing weights (fp32 math; a weight-0 pair reads nothing and stores 0)
+    H,
+    inter,
+    stride_act,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_re,
+    stride_y,
+    BLOCK_N: tl.constexpr,  # rows of H per program, as two row sets of BLOCK_N / 2
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # I % BLOCK_K == 0
+    ASM: tl.constexpr,
+):
+    """One program per (pair p, BLOCK_N rows of H): y[p, n] = w[p] * act[p] . Wd[idx[p]][n], the wide W4A16 gemv
+    with the pair's expert. One program per pair rather than one per token with the K slots inside: unrolled, the
+    slots' loads in flight took 255 registers and spilled (sm_90 offline compile)."""
+    p = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    HS: tl.constexpr = BLOCK_N // 2
+    e = tl.load(idx_ptr + p).to(tl.int64)
+    wt = tl.load(topw_ptr + p).to(tl.float32)
+    c = tl.arange(0, BLOCK_K // 32)
+    offs_a = pid_n * BLOCK_N + tl.arange(0, HS)
+    offs_b = offs_a + HS
+    ra = tl.minimum(offs_a, H - 1).to(tl.int64)
+    rb = tl.minimum(offs_b, H - 1).to(tl.int64)
+    wa, sa = _wide_ptrs(w_ptr + e * stride_we, s_ptr + e * stride_se, ra, stride_wn, stride_sn, c)
+    wb, sb = _wide_ptrs(w_ptr + e * stride_we, s_ptr + e * stride_se, rb, stride_wn, stride_sn, c)
+    xp = _wide_x(act_ptr + p * stride_act, c)
+    acc_a, acc_b = _wide_loop(wa, sa, wb, sb, xp, inter * (wt != 0).to(tl.int32), inter, c, EVEN_K, BLOCK_K, ASM)
+    ya = _wide_sum(acc_a) * (wt * tl.load(rs_ptr + e * stride_re + ra))
+    yb = _wide_sum(acc_b) * (wt * tl.load(rs_ptr + e * stride_re + rb))
+    tl.store(y_ptr + p * stride_y + offs_a, ya, mask=offs_a < H)
+    tl.store(y_ptr + p * stride_y + offs_b, yb, mask=offs_b < H)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------------------------
@@ -660,6 +770,57 @@ def _moe_gemm_q(
     return out
 
 
+def gather_w4a16_fits(x: torch.Tensor, gate_up: QuantExpertWeights) -> bool:
+    """What the NVFP4 gather kernels need: bf16 x with 8-byte-aligned rows; H and I multiples of 32 (each thread
+    reads 16-byte chunks of 32 elements)."""
+    _, two_i, H = gate_up.shape
+    return (
+        gate_up.fmt == "nvfp4" and x.dtype == torch.bfloat16 and H % 32 == 0 and (two_i // 2) % 32 == 0
+        and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0
+    )  # fmt: skip
+
+
+def _wide_tiles(default: dict[str, int], override: dict[str, int] | None, n: int, kd: int) -> dict[str, int]:
+    t = _gather_tiles(default, override, n, kd)
+    t["BLOCK_N"], t["BLOCK_K"] = max(2, t["BLOCK_N"]), max(32, t["BLOCK_K"])  # two row sets; 32-element chunks
+    return t
+
+
+def _fused_moe_gather_w4a16(
+    x: torch.Tensor,
+    gate_up: QuantExpertWeights,
+    down: QuantExpertWeights,
+    topk_w: torch.Tensor,
+    topk_idx: torch.Tensor,
+    gate_up_tiles: dict[str, int] | None = None,
+    down_tiles: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Decode path with NVFP4 experts: gate_up + GeGLU per pair, down + routing weight per pair (fp32), the K slots
+    summed by torch; the weights decoded in registers as in the wide W4A16 gemv, no align / sort.
+    ``gather_w4a16_fits``."""
+    T, H = x.shape
+    inter, K = down.shape[2], topk_idx.shape[1]
+    idx = topk_idx.reshape(-1).contiguous()
+    topw = topk_w.reshape(-1).contiguous()
+    wg, sg = _words(gate_up.values), gate_up.block_scale.contiguous().view(torch.uint8)
+    rg = gate_up.row_scale.to(torch.float32).contiguous()
+    t1 = _wide_tiles(GATHER_W4A16_GATE_UP_TILES, gate_up_tiles, inter, H)
+    act = torch.empty((T * K, inter), dtype=x.dtype, device=x.device)
+    _moe_gather_gate_up_w4a16_kernel[(T * K, triton.cdiv(inter, t1["BLOCK_N"]))](
+        x, wg, sg, rg, act, idx, topw, inter, H, K, x.stride(0), wg.stride(0), wg.stride(1), sg.stride(0),
+        sg.stride(1), rg.stride(0), act.stride(0), EVEN_K=H % t1["BLOCK_K"] == 0, ASM=_asm(), **t1,
+    )  # fmt: skip
+    wd, sd = _words(down.values), down.block_scale.contiguous().view(torch.uint8)
+    rd = down.row_scale.to(torch.float32).contiguous()
+    t2 = _wide_tiles(GATHER_W4A16_DOWN_TILES, down_tiles, H, inter)
+    y = torch.empty((T * K, H), dtype=torch.float32, device=x.device)
+    _moe_gather_down_w4a16_kernel[(T * K, triton.cdiv(H, t2["BLOCK_N"]))](
+        act, wd, sd, rd, y, idx, topw, H, inter, act.stride(0), wd.stride(0), wd.stride(1), sd.stride(0),
+        sd.stride(1), rd.stride(0), y.stride(0), EVEN_K=inter % t2["BLOCK_K"] == 0, ASM=_asm(), **t2,
+    )  # fmt: skip
+    return y.view(T, K, H).sum(dim=1).to(x.dtype)  # the K slots in fp32, in a fixed order
+
+
 def fused_moe_quantized(
     x: torch.Tensor,
     gate_up: QuantExpertWeights,
@@ -668,10 +829,14 @@ def fused_moe_quantized(
     topk_idx: torch.Tensor,
     *,
     block_m: int | None = None,
+    path: str = "sorted",
 ) -> torch.Tensor:
-    """:func:`fused_moe`'s sorted path with NVFP4 or FP8 expert weights (module doc, "Quantised experts"):
-    x [T, H], gate_up [E, 2I, H], down [E, H, I] (logical shapes), topk_w / topk_idx [T, K] -> [T, H] in x's
-    dtype. Any T, no host sync (CUDA-graph capturable)."""
+    """:func:`fused_moe` with NVFP4 or FP8 expert weights (module doc, "Quantised experts"): x [T, H], gate_up
+    [E, 2I, H], down [E, H, I] (logical shapes), topk_w / topk_idx [T, K] -> [T, H] in x's dtype. Any T, no host
+    sync (CUDA-graph capturable). ``path``: "sorted" (grouped tensor-core GEMMs, any format) or "gather" (NVFP4
+    with bf16 x: the two gather kernels, for decode-sized T*K; ``gather_w4a16_fits``)."""
+    if path not in ("sorted", "gather"):
+        raise ValueError(f"path {path!r} must be 'sorted' or 'gather'")
     T, H = x.shape
     E, two_i, H2 = gate_up.shape
     inter = two_i // 2
@@ -684,6 +849,13 @@ def fused_moe_quantized(
     if T * K == 0:
         return torch.zeros_like(x)
     x = x if x.stride(-1) == 1 else x.contiguous()
+    if path == "gather":
+        if not gather_w4a16_fits(x, gate_up):
+            raise ValueError(
+                f"the gather path needs NVFP4 experts, bf16 x with 8-byte-aligned rows, H and I % 32 == 0; got "
+                f"{gate_up.fmt}, {x.dtype}, H {H}, I {inter}"
+            )
+        return _fused_moe_gather_w4a16(x, gate_up, down, topk_w, topk_idx)
     t1, t2, sorted_ids, block_expert, w_flat = _sorted_plan(topk_w, topk_idx, E, inter, H, block_m)
     act = torch.empty((T * K, inter), dtype=x.dtype, device=x.device)
     _moe_gemm_q(x, gate_up, act, inter, sorted_ids, block_expert, w_flat, K, t1, "gate_up")

@@ -376,9 +376,66 @@ def _wide_rows(acc, w, s, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
 
 
 @triton.jit
-def _wide_store(acc, gs_ptr, gs_stride, out_ptr, offs, rows, N):
-    y = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(gs_ptr + rows * gs_stride)
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=offs < N)
+def _wide_x_step(xp, k0, K, c, EVEN_K: tl.constexpr):
+    """x's 8 elements per word of the step at k0, as fp32 [1, C, 4] each (zeros past K unless EVEN_K)."""
+    if EVEN_K:
+        a = tl.load(xp + k0 // 4)  # elements 0-3 of each word
+        b = tl.load(xp + k0 // 4 + 1)  # 4-7
+    else:
+        x_ok = ((k0 + 32 * c) < K)[None, :, None]
+        a = tl.load(xp + k0 // 4, mask=x_ok, other=0)
+        b = tl.load(xp + k0 // 4 + 1, mask=x_ok, other=0)
+    return _x_elems(a, b)
+
+
+@triton.jit
+def _wide_loop(wa, sa, wb, sb, xp, k_end, K, c, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """Two row sets' accumulators [H, C, 2] over K in [0, k_end) (k_end = K, or 0: nothing read): ``wa`` / ``wb``
+    [H, C, 4] word pointers and ``sa`` / ``sb`` [H, C, 2] scale pointers of each set's rows at k = 0, ``xp``
+    [1, C, 4] int64 pointers to x at each word's element 0. Two steps in flight; x loaded and converted once per
+    step for both sets."""
+    H: tl.constexpr = wa.shape[0]
+    C: tl.constexpr = wa.shape[1]
+    acc_a = tl.zeros((H, C, 2), dtype=tl.float32)
+    acc_b = tl.zeros((H, C, 2), dtype=tl.float32)
+    w_a, s_a = _wide_step(wa, sa, 0, K, c, EVEN_K, BLOCK_K)
+    w_b, s_b = _wide_step(wb, sb, 0, K, c, EVEN_K, BLOCK_K)
+    w_a1, s_a1 = _wide_step(wa, sa, BLOCK_K, K, c, EVEN_K, BLOCK_K)
+    w_b1, s_b1 = _wide_step(wb, sb, BLOCK_K, K, c, EVEN_K, BLOCK_K)
+    for k0 in range(0, k_end, BLOCK_K):
+        w_a2, s_a2 = _wide_step(wa, sa, k0 + 2 * BLOCK_K, K, c, EVEN_K, BLOCK_K)  # in flight meanwhile
+        w_b2, s_b2 = _wide_step(wb, sb, k0 + 2 * BLOCK_K, K, c, EVEN_K, BLOCK_K)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _wide_x_step(xp, k0, K, c, EVEN_K)
+        acc_a = _wide_rows(acc_a, w_a, s_a, x0, x1, x2, x3, x4, x5, x6, x7, ASM)
+        acc_b = _wide_rows(acc_b, w_b, s_b, x0, x1, x2, x3, x4, x5, x6, x7, ASM)
+        w_a, s_a, w_a1, s_a1 = w_a1, s_a1, w_a2, s_a2
+        w_b, s_b, w_b1, s_b1 = w_b1, s_b1, w_b2, s_b2
+    return acc_a, acc_b
+
+
+@triton.jit
+def _wide_ptrs(w_ptr, s_ptr, rows, stride_wn, stride_sn, c):
+    """[H, C, 4] word and [H, C, 2] scale pointers of ``rows`` (int64 [H], base pointers already at the expert)
+    at k = 0: each thread's 4 words (16 bytes) and 2 scale bytes of one 32-element chunk."""
+    wcol = (4 * c[:, None] + tl.arange(0, 4)[None, :])[None, :, :]
+    scol = (2 * c[:, None] + tl.arange(0, 2)[None, :])[None, :, :]
+    w = w_ptr + tl.multiple_of(rows * stride_wn, 4)[:, None, None] + wcol
+    s = s_ptr + tl.multiple_of(rows * stride_sn, 2)[:, None, None] + scol
+    return w, s
+
+
+@triton.jit
+def _wide_x(x_ptr, c):
+    """[1, C, 4] int64 pointers to bf16 x at element 0 of each word of a thread's chunk (x 8-byte aligned)."""
+    return (
+        x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + (8 * c[:, None] + 2 * tl.arange(0, 4)[None, :])[None, :, :]
+    )
+
+
+@triton.jit
+def _wide_sum(acc):
+    """[H, C, 2] group accumulators -> the rows' dot products [H]."""
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit
@@ -404,42 +461,18 @@ def _w4a16_gemv_wide_kernel(
     in flight as in the narrow kernel. Per weight element: 5.8 SASS instructions in the loop (narrow: 7.3), no
     shared memory (sm_90, Triton 3.9 offline compile, 16 x 1024 x 8 warps and 16 x 512 x 4 warps)."""
     pid = tl.program_id(0)
-    C: tl.constexpr = BLOCK_K // 32  # chunks of 32 elements: one per thread and row set
+    c = tl.arange(0, BLOCK_K // 32)  # chunks of 32 elements: one per thread and row set
     offs_a = pid * 2 * H + tl.arange(0, H)
     offs_b = offs_a + H
     ra = tl.minimum(offs_a, N - 1).to(tl.int64)  # rows past N re-read row N - 1 (not stored)
     rb = tl.minimum(offs_b, N - 1).to(tl.int64)
-    c = tl.arange(0, C)
-    wcol = (4 * c[:, None] + tl.arange(0, 4)[None, :])[None, :, :]  # [1, C, 4]
-    scol = (2 * c[:, None] + tl.arange(0, 2)[None, :])[None, :, :]  # [1, C, 2]
-    wa = w_ptr + tl.multiple_of(ra * stride_wn, 4)[:, None, None] + wcol
-    wb = w_ptr + tl.multiple_of(rb * stride_wn, 4)[:, None, None] + wcol
-    sa = s_ptr + tl.multiple_of(ra * stride_sn, 2)[:, None, None] + scol
-    sb = s_ptr + tl.multiple_of(rb * stride_sn, 2)[:, None, None] + scol
-    xp = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + (8 * c[:, None] + 2 * tl.arange(0, 4)[None, :])[None, :, :]
-    acc_a = tl.zeros((H, C, 2), dtype=tl.float32)
-    acc_b = tl.zeros((H, C, 2), dtype=tl.float32)
-    w_a, s_a = _wide_step(wa, sa, 0, K, c, EVEN_K, BLOCK_K)
-    w_b, s_b = _wide_step(wb, sb, 0, K, c, EVEN_K, BLOCK_K)
-    w_a1, s_a1 = _wide_step(wa, sa, BLOCK_K, K, c, EVEN_K, BLOCK_K)
-    w_b1, s_b1 = _wide_step(wb, sb, BLOCK_K, K, c, EVEN_K, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        w_a2, s_a2 = _wide_step(wa, sa, k0 + 2 * BLOCK_K, K, c, EVEN_K, BLOCK_K)  # in flight meanwhile
-        w_b2, s_b2 = _wide_step(wb, sb, k0 + 2 * BLOCK_K, K, c, EVEN_K, BLOCK_K)
-        if EVEN_K:
-            a = tl.load(xp + k0 // 4)  # elements 0-3 of each word
-            b = tl.load(xp + k0 // 4 + 1)  # 4-7
-        else:
-            x_ok = ((k0 + 32 * c) < K)[None, :, None]
-            a = tl.load(xp + k0 // 4, mask=x_ok, other=0)
-            b = tl.load(xp + k0 // 4 + 1, mask=x_ok, other=0)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _x_elems(a, b)
-        acc_a = _wide_rows(acc_a, w_a, s_a, x0, x1, x2, x3, x4, x5, x6, x7, ASM)
-        acc_b = _wide_rows(acc_b, w_b, s_b, x0, x1, x2, x3, x4, x5, x6, x7, ASM)
-        w_a, s_a, w_a1, s_a1 = w_a1, s_a1, w_a2, s_a2
-        w_b, s_b, w_b1, s_b1 = w_b1, s_b1, w_b2, s_b2
-    _wide_store(acc_a, gs_ptr, gs_stride, out_ptr, offs_a, ra, N)
-    _wide_store(acc_b, gs_ptr, gs_stride, out_ptr, offs_b, rb, N)
+    wa, sa = _wide_ptrs(w_ptr, s_ptr, ra, stride_wn, stride_sn, c)
+    wb, sb = _wide_ptrs(w_ptr, s_ptr, rb, stride_wn, stride_sn, c)
+    acc_a, acc_b = _wide_loop(wa, sa, wb, sb, _wide_x(x_ptr, c), K, K, c, EVEN_K, BLOCK_K, ASM)
+    ya = _wide_sum(acc_a) * tl.load(gs_ptr + ra * gs_stride)
+    yb = _wide_sum(acc_b) * tl.load(gs_ptr + rb * gs_stride)
+    tl.store(out_ptr + offs_a, ya.to(out_ptr.dtype.element_ty), mask=offs_a < N)
+    tl.store(out_ptr + offs_b, yb.to(out_ptr.dtype.element_ty), mask=offs_b < N)
 
 
 @triton.jit

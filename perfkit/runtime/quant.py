@@ -55,7 +55,7 @@ from perfkit.kernels.fp8 import (
 )
 from perfkit.kernels.fp8_gemv import FP8_GEMV_MAX_M, fp8_gemv
 from perfkit.kernels.launch import interpreting
-from perfkit.kernels.moe import QuantExpertWeights, fused_moe_quantized
+from perfkit.kernels.moe import QuantExpertWeights, fused_moe_quantized, gather_w4a16_fits
 from perfkit.kernels.w4a16_gemm import (
     dequantize_nvfp4,
     quantize_nvfp4,
@@ -311,6 +311,10 @@ class QuantizedExperts(nn.Module):
     ``w4a16-ref`` / ``fp8-dequant`` (CPU without the interpreter) dequantise in torch, a loop over the experts."""
 
     gather_max_rows = 64
+    # w4a16-triton at or below gather_max_rows pairs: the two NVFP4 gather kernels of ``fused_moe_quantized(path=
+    # "gather")`` instead of the gemv + torch GeGLU + combine above. Off until an H200 A/B has timed them (written
+    # 12-01e without device time left; CPU-tested against the reference)
+    gather_kernels = False
 
     def __init__(self, scheme: str, E: int, H: int, Im: int, device: torch.device | str | None = None):
         super().__init__()
@@ -382,6 +386,10 @@ class QuantizedExperts(nn.Module):
 
     def forward(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
         small = idx.numel() <= self.gather_max_rows
+        if small and self.backend == "w4a16-triton" and self.gather_kernels:
+            gu = self.quant_weights("gate_up_proj")
+            if gather_w4a16_fits(x, gu):
+                return fused_moe_quantized(x, gu, self.quant_weights("down_proj"), w, idx, path="gather")
         if self.backend == "fp8-triton" or (self.backend == "w4a16-triton" and not small):
             return fused_moe_quantized(x, self.quant_weights("gate_up_proj"), self.quant_weights("down_proj"), w, idx)
         if small:
