@@ -436,7 +436,8 @@ def _moe_gather_gate_up_w4a16_kernel(
     rs_ptr,  # fp32 [E, 2I] per-row global scale
     act_ptr,  # [T*K, I] out, pair order, x's dtype
     idx_ptr,  # [T*K] expert of each pair
-    topw_ptr,  # [T*K] routing weights (only tested against 0: such a pair's loop reads nothing, act row = 0)
+    topw_ptr,  # [T*K] routing weights (only tested against 0: such a pair skips its loop, only the two prefetched
+    # steps are read, and its act row is 0)
     inter,
     H,
     top_k,
@@ -480,7 +481,7 @@ def _moe_gather_down_w4a16_kernel(
     rs_ptr,  # fp32 [E, H] per-row global scale
     y_ptr,  # [T*K, H] fp32 out: each pair's weighted product (the launcher sums the K slots)
     idx_ptr,  # [T*K] expert of each pair
-    topw_ptr,  # [T*K] routing weights (fp32 math; a weight-0 pair reads nothing and stores 0)
+    topw_ptr,  # [T*K] routing weights (fp32 math; a weight-0 pair skips its loop and stores 0)
     H,
     inter,
     stride_act,
@@ -951,8 +952,9 @@ def fused_moe_traffic(
 ) -> dict[str, int]:
     """Minimum DRAM bytes and FLOPs of :func:`fused_moe` on ``path`` ("auto": the one it would take for T*K
     pairs; routing metadata, O(T K) int32 / fp32, left out). ``weight_format`` "nvfp4" / "fp8": the weights of
-    :func:`fused_moe_quantized` (always the sorted path), values + block scales + per-row scales per expert:
-    NVFP4 3 I H / 2 + 3 I H / 16 + 4 x 3 I, FP8 3 I H + 4 x 3 I bytes (``None``: ``elt_bytes`` per element).
+    :func:`fused_moe_quantized` (its sorted path; ``path="gather"`` with "nvfp4": its gather kernels, whose down
+    kernel writes fp32 per-pair products that a sum reads back), values + block scales + per-row scales per
+    expert: NVFP4 3 I H / 2 + 3 I H / 16 + 4 x 3 I, FP8 3 I H + 4 x 3 I bytes (``None``: ``elt_bytes`` per element).
 
     Weights (both paths): every distinct active expert's gate_up [2I, H] and down [H, I] once (``active_experts``
     default: the uniform-routing expectation, rounded). Activations, sorted path: x [T, H] read, act [T K, I]
@@ -967,12 +969,16 @@ def fused_moe_traffic(
     P = tokens * top_k
     if weight_format is not None and weight_format not in QUANT_EXPERT_FORMATS:
         raise ValueError(f"weight_format {weight_format!r} must be None or one of {', '.join(QUANT_EXPERT_FORMATS)}")
-    chosen = "sorted" if weight_format else select_moe_path(P, path)
+    if weight_format is None:
+        chosen = select_moe_path(P, path)
+    else:
+        chosen = "gather" if path == "gather" and weight_format == "nvfp4" else "sorted"
     a = round(expected_active_experts(tokens, num_experts, top_k)) if active_experts is None else active_experts
     n = 3 * inter * hidden  # weight elements per expert
     per_expert = {None: n * elt_bytes, "nvfp4": n // 2 + n // 16 + 4 * 3 * inter, "fp8": n + 4 * 3 * inter}
     weights = a * per_expert[weight_format]
-    y = 0 if chosen == "gather" else P * hidden * elt_bytes  # per-pair outputs, written + read (sorted only)
+    y_elt = 0 if chosen == "gather" and weight_format is None else 4 if chosen == "gather" else elt_bytes
+    y = P * hidden * y_elt  # per-pair outputs, written + read (none on the bf16 gather path)
     read = weights + tokens * hidden * elt_bytes + P * inter * elt_bytes + y
     written = P * inter * elt_bytes + y + tokens * hidden * elt_bytes
     flops = 6 * P * hidden * inter + 10 * P * inter + 2 * P * hidden
