@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from perfkit import stats as st
+from perfkit.config import model_names
 from perfkit.errors import PerfkitError
 from perfkit.results import Result, ScenarioResult, read_requests, read_result
 
@@ -334,8 +335,9 @@ def _get(d: Any, *keys: str) -> Any:
 
 
 def comparability_warnings(a: Loaded, b: Loaded, pairs: Iterable[tuple[Side, Side, bool]]) -> list[str]:
-    """Reasons the two sides may not be comparable: hardware, software, workload or a dirty tree."""
+    """Reasons the two sides may not be comparable: hardware, software, model, workload or a dirty tree."""
     out: list[str] = []
+    pairs = list(pairs)
     pa, pb = a.result.provenance or {}, b.result.provenance or {}
     if a is not b:
         ga, gb = pa.get("gpu") or {}, pb.get("gpu") or {}
@@ -361,10 +363,13 @@ def comparability_warnings(a: Loaded, b: Loaded, pairs: Iterable[tuple[Side, Sid
         ]
         if diffs:
             out.append("package versions differ: " + ", ".join(diffs))
-        ma, mb = a.result.config.get("model") or {}, b.result.config.get("model") or {}
-        for key in ("preset", "path", "weights", "dtype", "quant", "num_layers", "sliding_window"):
-            if ma.get(key) != mb.get(key):
-                out.append(f"model.{key} differs: A {ma.get(key)}, B {mb.get(key)}")
+        for sa, sb, _ in pairs:  # the model each compared scenario ran (a suite may run several)
+            ma = scenario_model_config(a.result.config, sa.scenario)
+            mb = scenario_model_config(b.result.config, sb.scenario)
+            for key in ("preset", "path", "weights", "dtype", "quant", "num_layers", "sliding_window"):
+                msg = f"model.{key} differs: A {ma.get(key)}, B {mb.get(key)}"
+                if ma.get(key) != mb.get(key) and msg not in out:
+                    out.append(msg)
     dirty = [name for name, p in (("A", pa), ("B", pb)) if _get(p, "git", "dirty")]
     if a is b and dirty:
         out.append("run from a dirty git tree: the commit does not identify the code measured")
@@ -389,6 +394,34 @@ def _gpu_name(p: dict[str, Any]) -> str:
     return str(g.get("name") or "unknown GPU")
 
 
+def suite_models(cfg: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(name, model config) of each model a result's suite ran: ``models``, or the single ``model`` (a result's
+    ``model`` is only a default when ``models`` is set)."""
+    models = cfg.get("models") or [cfg.get("model") or {}]
+    return list(zip(model_names([(m.get("preset"), m.get("path")) for m in models]), models, strict=True))
+
+
+def _model_text(m: dict[str, Any]) -> str:
+    name = m.get("preset") or (Path(m["path"]).name if m.get("path") else "?")
+    return name + (f", {m['num_layers']} layers" if m.get("num_layers") else "")
+
+
+def scenario_model_config(cfg: dict[str, Any], scenario: str) -> dict[str, Any]:
+    """The model config a scenario result ran: the suite's only model, or the one its "<model>/" prefix names
+    ({} when none matches)."""
+    models = suite_models(cfg)
+    if len(models) == 1:
+        return models[0][1]
+    prefix = scenario.partition("/")[0]
+    return next((m for name, m in models if name == prefix), {})
+
+
+def scenario_model(cfg: dict[str, Any], scenario: str) -> str | None:
+    """'<model> <quant>' of a several-model suite's scenario ("31b-2/c1" -> "31b nvfp4"); None for one model."""
+    m = scenario_model_config(cfg, scenario) if len(suite_models(cfg)) > 1 else {}
+    return f"{_model_text(m)} {m.get('quant') or '?'}" if m else None
+
+
 def provenance_line(a: Loaded, b: Loaded) -> str:
     pa, pb = a.result.provenance or {}, b.result.provenance or {}
 
@@ -398,10 +431,10 @@ def provenance_line(a: Loaded, b: Loaded) -> str:
         return f"{name} (driver {g['driver']})" if g.get("driver") else name
 
     def model(cfg: dict[str, Any]) -> str:
-        m = cfg.get("model") or {}
-        name = m.get("preset") or (Path(m["path"]).name if m.get("path") else "?")
-        layers = f", {m['num_layers']} layers" if m.get("num_layers") else ""
-        return f"{name}{layers}"
+        return ", ".join(dict.fromkeys(_model_text(m) for _, m in suite_models(cfg)))
+
+    def quants(cfg: dict[str, Any]) -> str:
+        return ", ".join(dict.fromkeys(str(m.get("quant") or "?") for _, m in suite_models(cfg)))
 
     def commit(p: dict[str, Any]) -> str:
         g = p.get("git") or {}
@@ -411,9 +444,7 @@ def provenance_line(a: Loaded, b: Loaded) -> str:
     def both(fa: str, fb: str) -> str:
         return fa if fa == fb else f"{fa} → {fb}"
 
-    quant = both(
-        str(_get(a.result.config, "model", "quant") or "?"), str(_get(b.result.config, "model", "quant") or "?")
-    )
+    quant = both(quants(a.result.config), quants(b.result.config))
     return (
         f"GPU: {both(gpu(pa), gpu(pb))} · model: {both(model(a.result.config), model(b.result.config))} · "
         f"quant: {quant} · commit: {both(commit(pa), commit(pb))}"
@@ -720,13 +751,15 @@ def method_text(c: Comparison, confidence: float) -> str:
 
 
 def _title(report: Report, c: Comparison) -> str:
+    ma, mb = scenario_model(report.a.result.config, c.scenario), scenario_model(report.b.result.config, c.scenario)
+    what = c.scenario + (f" ({ma})" if ma and ma == mb else f" ({ma} → {mb})" if ma or mb else "")
     if report.a is report.b:
-        return f"{c.scenario} · A = `{c.a.arm}`, B = `{c.b.arm}`"
+        return f"{what} · A = `{c.a.arm}`, B = `{c.b.arm}`"
 
     def side(label: str, arm: str) -> str:
         return f"`{label}`" + ("" if arm == "default" else f" ({arm})")
 
-    return f"{c.scenario} · A = {side(report.a.label, c.a.arm)}, B = {side(report.b.label, c.b.arm)}"
+    return f"{what} · A = {side(report.a.label, c.a.arm)}, B = {side(report.b.label, c.b.arm)}"
 
 
 def to_markdown(report: Report, images: Sequence[tuple[str, str]] = ()) -> str:

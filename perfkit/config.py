@@ -15,6 +15,7 @@ import json
 import os
 import re
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -388,6 +389,16 @@ class OutputConfig(BaseModel):
     label: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-]+$")
 
 
+def model_names(models: Sequence[tuple[str | None, str | None]]) -> list[str]:
+    """The suite's name for each (preset, path) model: the preset or the checkpoint folder's name, with its
+    index appended to all when two would share one ("31b-0", "31b-1"). Scenario results of a several-model
+    suite are named "<model name>/<scenario>"."""
+    names = [preset or Path(path or "model").name for preset, path in models]
+    if len(set(names)) != len(names):
+        names = [f"{n}-{i}" for i, n in enumerate(names)]
+    return names
+
+
 class RunConfig(BaseModel):
     """A whole suite: scenarios x arms x repeats on one loaded model."""
 
@@ -448,10 +459,7 @@ class RunConfig(BaseModel):
     def model_list(self) -> list[tuple[str, ModelConfig]]:
         """(name, model) pairs; the name prefixes scenario names when several models run in one suite."""
         models = self.models or [self.model]
-        names = [m.preset or Path(m.path or "model").name for m in models]
-        if len(set(names)) != len(names):
-            names = [f"{n}-{i}" for i, n in enumerate(names)]
-        return list(zip(names, models, strict=True))
+        return list(zip(model_names([(m.preset, m.path) for m in models]), models, strict=True))
 
     def arm_list(self) -> list[tuple[str, Toggles]]:
         """Resolved arms: (name, full toggles). No arms declared = one arm named 'default'."""

@@ -205,6 +205,34 @@ def test_comparability_warnings(tmp_path):
     assert any("model.quant differs" in x for x in rep.warnings)
 
 
+def _suite_run(tmp: Path, name: str, quants: tuple[str, str]) -> Path:
+    """A two-model suite (31B bf16 and 31B <quants[1]>): scenario results named "31b-0/decode", "31b-1/decode"."""
+    models = [{"preset": "31b", "quant": q, "dtype": "bfloat16", "weights": "random"} for q in quants]
+    cfg = config() | {"model": {"preset": "tiny", "quant": "bf16"}, "models": models}
+    scen, reqs = [], []
+    for i in range(2):
+        r = requests_for(f"31b-{i}/decode", "default", 0, _fixed(20, 40.0, 1.5, 11), _fixed(20, 8.0 + i, 0.1, 13))
+        reqs += r
+        scen.append(scenario_from_requests(f"31b-{i}/decode", "default", 0, r, workload_hash="w0"))
+    return write_run(tmp / name, scen, reqs, cfg=cfg, run_id=name)
+
+
+def test_several_model_suites_name_their_models(tmp_path):
+    """A suite run with `models:` is described by those models, not by the `model` default it also carries: the
+    provenance line lists them, each table names its scenario's model, and a model that differs between the files
+    for the same scenario is a comparability warning."""
+    a, b = _suite_run(tmp_path, "a", ("bf16", "nvfp4")), _suite_run(tmp_path, "b", ("bf16", "fp8"))
+    rep = cmp.compare(a, a)
+    assert "model: 31b · quant: bf16, nvfp4" in rep.provenance_line
+    md = cmp.to_markdown(rep)
+    assert "31b-0/decode (31b bf16)" in md and "31b-1/decode (31b nvfp4)" in md
+    assert not any("model." in w for w in rep.warnings)
+    rep = cmp.compare(a, b)
+    assert "quant: bf16, nvfp4 → bf16, fp8" in rep.provenance_line
+    assert "31b-1/decode (31b nvfp4 → 31b fp8)" in cmp.to_markdown(rep)
+    assert [w for w in rep.warnings if "model." in w] == ["model.quant differs: A nvfp4, B fp8"]
+
+
 def test_tolerates_missing_provenance_keys(tmp_path):
     a = _single_run(tmp_path, "a", 1.0, {})
     b = _single_run(tmp_path, "b", 1.0, {"gpu": {"name": "X"}})
