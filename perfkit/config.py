@@ -71,6 +71,13 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "the GPU runs step N, whose sampled ids feed N+1 on the device (on), vs every step waiting for its tokens "
         "before the next is prepared (off); steps of requests that may stop on EOS always wait",
     ),
+    "moe_gather": (
+        ("gemv", "kernels"),
+        "gemv",
+        "NVFP4 MoE experts at decode sizes (T*K <= 64 pairs, bf16 activations): the gathered W4A16 gemv with the "
+        "GeGLU, routing weight and combine in torch (gemv) vs two Triton kernels that fuse them (kernels); no "
+        "effect on other experts",
+    ),
     "attention": (
         ("auto", "flashinfer", "torch"),
         "auto",
@@ -105,6 +112,7 @@ class Toggles(BaseModel):
     fused_kernels: Literal["auto", "on", "off"] = "auto"
     nvtx: Literal["on", "off"] = "on"
     overlap: Literal["on", "off"] = "on"
+    moe_gather: Literal["gemv", "kernels"] = "gemv"
     attention: Literal["auto", "flashinfer", "torch"] = "auto"
 
     @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", mode="before")
@@ -125,6 +133,7 @@ class PartialToggles(BaseModel):
     fused_kernels: Literal["auto", "on", "off"] | None = None
     nvtx: Literal["on", "off"] | None = None
     overlap: Literal["on", "off"] | None = None
+    moe_gather: Literal["gemv", "kernels"] | None = None
     attention: Literal["auto", "flashinfer", "torch"] | None = None
 
     @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", mode="before")

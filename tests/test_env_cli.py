@@ -66,7 +66,7 @@ def test_gpu_info_with_fake_nvml(monkeypatch):
 def test_toggles_lists_every_toggle():
     res = CliRunner().invoke(app, ["toggles"])
     assert res.exit_code == 0
-    for name in ("mask", "page_table", "mm_embed_cache", "cuda_graphs", "attention"):
+    for name in ("mask", "page_table", "mm_embed_cache", "cuda_graphs", "attention", "moe_gather"):
         assert name in res.output
 
 

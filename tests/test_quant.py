@@ -646,6 +646,30 @@ def test_moe_gather_and_sorted_paths_agree():
     torch.testing.assert_close(s, exp, atol=1e-5, rtol=1e-4)
 
 
+def test_moe_gather_toggle_reaches_the_quantised_experts():
+    """Toggle moe_gather: the model sets gather_kernels on its quantised experts (and says it has some), the engine
+    reports and switches it live, a dense model has none, a bad value is refused. (The two paths' numerics:
+    test_quantized_experts_gather_kernels_switch; through a whole bf16 model, top-k routing flips on rounding.)"""
+    from perfkit.runtime.engine import Engine, EngineConfig
+
+    q, _, base, _ = _pair("tiny-moe", "nvfp4")
+    experts = [m for m in q.modules() if isinstance(m, QuantizedExperts)]
+    assert experts and q.set_moe_gather("kernels") and all(m.gather_kernels for m in experts)
+    assert q.set_moe_gather("gemv") and not any(m.gather_kernels for m in experts)
+    assert not base.set_moe_gather("kernels")  # no quantised experts: no path changes
+    with pytest.raises(ValueError, match="moe_gather"):
+        q.set_moe_gather("fast")
+    ec = EngineConfig(
+        attention="torch", page_size=4, num_kv_pages=64, cuda_graphs=False, mask="dense", max_model_len=64
+    )
+    eng = Engine(q, get_preset("tiny-moe"), ec)
+    assert eng.toggles()["moe_gather"] == "gemv"
+    eng.set_toggle("moe_gather", "kernels")
+    assert eng.toggles()["moe_gather"] == "kernels" and all(m.gather_kernels for m in experts)
+    with pytest.raises(PerfkitError, match="unknown toggle"):
+        eng.set_toggle("moe_gather", "fast")
+
+
 def _quant_experts(scheme: str, E: int, H: int, inter: int, seed: int, device: str = "cpu") -> QuantizedExperts:
     gen = torch.Generator().manual_seed(seed)
     experts = torch.nn.Module()

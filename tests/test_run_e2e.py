@@ -35,8 +35,9 @@ def _small_config(tmp_path: Path, scenarios: list[dict] | None = None, **extra) 
 
 
 def test_smoke_config_end_to_end(tmp_path):
-    res = CliRunner().invoke(app, ["run", str(ROOT / "configs" / "smoke.yaml"), "--out", str(tmp_path),
-                                   "--set", "model.dtype=float32"])
+    res = CliRunner().invoke(
+        app, ["run", str(ROOT / "configs" / "smoke.yaml"), "--out", str(tmp_path), "--set", "model.dtype=float32"]
+    )
     assert res.exit_code == 0, res.output
     run_dir = next(tmp_path.iterdir())
     result = read_result(run_dir)
@@ -66,14 +67,20 @@ def test_arms_interleave_and_repeat(tmp_path, monkeypatch):
     p = _small_config(
         tmp_path,
         scenarios=[{"name": "a", "workload": {"isl": 12, "osl": 3}, "arrival": {"concurrency": 2}, "num_requests": 2}],
-        arms=[{"name": "padded", "toggles": {"page_table": "padded"}}, {"name": "host", "toggles": {"page_table": "host"}}],
+        arms=[
+            {"name": "padded", "toggles": {"page_table": "padded"}},
+            {"name": "host", "toggles": {"page_table": "host"}},
+        ],
         repeats=2,
     )
     res = CliRunner().invoke(app, ["run", str(p), "--out", str(tmp_path / "r")])
     assert res.exit_code == 0, res.output
     result = read_result(next((tmp_path / "r").iterdir()))
     assert [(s.arm_name, s.repeat) for s in result.scenarios] == [
-        ("padded", 0), ("host", 0), ("padded", 1), ("host", 1)
+        ("padded", 0),
+        ("host", 0),
+        ("padded", 1),
+        ("host", 1),
     ]
     assert [s.arm["page_table"] for s in result.scenarios] == ["padded", "host", "padded", "host"]
     assert all(s.arm["mask"] == "dense" for s in result.scenarios)  # no Triton on a CPU: recorded as what ran
@@ -122,10 +129,14 @@ def test_ctrl_c_keeps_finished_scenarios_and_exits_130(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "override, line",
     [
-        ("toggles.attention=flashinfer",
-         "error: toggles.attention=flashinfer cannot run here: no CUDA device; use attention: torch or auto"),
-        ("model.device=cuda",
-         "error: model.device is cuda but no CUDA GPU is visible; run on a GPU machine or use --set model.device=auto"),
+        (
+            "toggles.attention=flashinfer",
+            "error: toggles.attention=flashinfer cannot run here: no CUDA device; use attention: torch or auto",
+        ),
+        (
+            "model.device=cuda",
+            "error: model.device is cuda but no CUDA GPU is visible; run on a GPU machine or use --set model.device=auto",
+        ),
     ],
 )
 def test_impossible_run_is_one_line_exit_2(tmp_path, override, line):
@@ -146,6 +157,28 @@ def test_nvtx_toggle_switches_capture_per_arm(tmp_path):
     assert off.arm["nvtx"] == "off" and off.nvtx == {}
     assert on.arm["nvtx"] == "on" and {"step", "forward_decode", "sample"} <= set(on.nvtx)
     assert off.counts.output_tokens == on.counts.output_tokens == 6
+
+
+def test_moe_gather_arms_run_and_are_recorded(tmp_path):
+    """configs/ab_moe_gather.yaml's shape on a CPU: a tiny-moe NVFP4 model with moe_gather gemv and kernels arms
+    runs both and records each arm's value (the interpreter's fp32 activations keep both on the gemv gather; the
+    kernels' numerics are tested in test_quant.py)."""
+    p = _small_config(
+        tmp_path,
+        scenarios=[{"name": "a", "workload": {"isl": 12, "osl": 3}, "arrival": {"concurrency": 2}, "num_requests": 2}],
+        arms=[
+            {"name": "gemv", "toggles": {"moe_gather": "gemv"}},
+            {"name": "kernels", "toggles": {"moe_gather": "kernels"}},
+        ],
+    )
+    res = CliRunner().invoke(
+        app,
+        ["run", str(p), "--out", str(tmp_path / "r"), "--set", "model.preset=tiny-moe", "--set", "model.quant=nvfp4"],
+    )
+    assert res.exit_code == 0, res.output
+    gemv, kernels = read_result(next((tmp_path / "r").iterdir())).scenarios
+    assert gemv.status == kernels.status == "ok"
+    assert (gemv.arm["moe_gather"], kernels.arm["moe_gather"]) == ("gemv", "kernels")
 
 
 @pytest.mark.parametrize("scheme", ["fp8", "nvfp4"])

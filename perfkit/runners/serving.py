@@ -351,6 +351,7 @@ def load_target(
         mm_embed_cache=toggles.mm_embed_cache == "on",
         fused_kernels=toggles.fused_kernels == "on",
         overlap=toggles.overlap == "on",
+        moe_gather=toggles.moe_gather,
         decode_use_tensor_cores=None if rt.decode_tensor_cores == "auto" else rt.decode_tensor_cores == "on",
         seed=mcfg.seed,
     )

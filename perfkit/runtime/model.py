@@ -497,6 +497,20 @@ class Gemma4ForCausalLM(nn.Module):
         self.rope: RopeTables | None = None
         self.fused = False
 
+    def set_moe_gather(self, kind: str) -> bool:
+        """NVFP4 experts at decode sizes: "gemv" (the gathered W4A16 gemv, GeGLU and combine in torch) or
+        "kernels" (two fused Triton kernels). Sets ``gather_kernels`` on every module that has one (the quantised
+        experts, ``perfkit.runtime.quant.QuantizedExperts``; this module does not import them, which would import
+        Triton). Returns whether any module has it: only then do captured graphs replay a different path."""
+        if kind not in ("gemv", "kernels"):
+            raise ValueError(f"moe_gather {kind!r}: allowed values are gemv, kernels")
+        found = False
+        for m in self.modules():
+            if hasattr(type(m), "gather_kernels"):
+                m.gather_kernels = kind == "kernels"
+                found = True
+        return found
+
     def set_fused(self, on: bool) -> None:
         """Route norms, GeGLU, q/k-norm + RoPE and MoE through the Triton kernels (True) or PyTorch (False).
 

@@ -311,9 +311,10 @@ class QuantizedExperts(nn.Module):
     ``w4a16-ref`` / ``fp8-dequant`` (CPU without the interpreter) dequantise in torch, a loop over the experts."""
 
     gather_max_rows = 64
-    # w4a16-triton at or below gather_max_rows pairs: the two NVFP4 gather kernels of ``fused_moe_quantized(path=
-    # "gather")`` instead of the gemv + torch GeGLU + combine above. Off until an H200 A/B has timed them (written
-    # 12-01e without device time left; CPU-tested against the reference)
+    # w4a16-triton at or below gather_max_rows pairs, bf16 x: the two NVFP4 gather kernels of
+    # ``fused_moe_quantized(path="gather")`` instead of the gemv + torch GeGLU + combine above. Set per model by the
+    # toggle moe_gather (``Gemma4ForCausalLM.set_moe_gather``), default gemv until an H200 A/B has timed them
+    # (written 12-01e without device time left; CPU-tested against the reference; configs/ab_moe_gather.yaml)
     gather_kernels = False
 
     def __init__(self, scheme: str, E: int, H: int, Im: int, device: torch.device | str | None = None):
