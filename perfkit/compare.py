@@ -23,9 +23,17 @@ from typing import Any
 import numpy as np
 
 from perfkit import stats as st
-from perfkit.config import model_names
 from perfkit.errors import PerfkitError
-from perfkit.results import Result, ScenarioResult, read_requests, read_result
+from perfkit.results import (
+    Result,
+    ScenarioResult,
+    model_text,
+    read_requests,
+    read_result,
+    scenario_model,
+    scenario_model_config,
+    suite_models,
+)
 
 DIST_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "queue_ms", "per_user_tok_s")
 DEFAULT_DIST = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
@@ -394,34 +402,6 @@ def _gpu_name(p: dict[str, Any]) -> str:
     return str(g.get("name") or "unknown GPU")
 
 
-def suite_models(cfg: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """(name, model config) of each model a result's suite ran: ``models``, or the single ``model`` (a result's
-    ``model`` is only a default when ``models`` is set)."""
-    models = cfg.get("models") or [cfg.get("model") or {}]
-    return list(zip(model_names([(m.get("preset"), m.get("path")) for m in models]), models, strict=True))
-
-
-def _model_text(m: dict[str, Any]) -> str:
-    name = m.get("preset") or (Path(m["path"]).name if m.get("path") else "?")
-    return name + (f", {m['num_layers']} layers" if m.get("num_layers") else "")
-
-
-def scenario_model_config(cfg: dict[str, Any], scenario: str) -> dict[str, Any]:
-    """The model config a scenario result ran: the suite's only model, or the one its "<model>/" prefix names
-    ({} when none matches)."""
-    models = suite_models(cfg)
-    if len(models) == 1:
-        return models[0][1]
-    prefix = scenario.partition("/")[0]
-    return next((m for name, m in models if name == prefix), {})
-
-
-def scenario_model(cfg: dict[str, Any], scenario: str) -> str | None:
-    """'<model> <quant>' of a several-model suite's scenario ("31b-2/c1" -> "31b nvfp4"); None for one model."""
-    m = scenario_model_config(cfg, scenario) if len(suite_models(cfg)) > 1 else {}
-    return f"{_model_text(m)} {m.get('quant') or '?'}" if m else None
-
-
 def provenance_line(a: Loaded, b: Loaded) -> str:
     pa, pb = a.result.provenance or {}, b.result.provenance or {}
 
@@ -431,7 +411,7 @@ def provenance_line(a: Loaded, b: Loaded) -> str:
         return f"{name} (driver {g['driver']})" if g.get("driver") else name
 
     def model(cfg: dict[str, Any]) -> str:
-        return ", ".join(dict.fromkeys(_model_text(m) for _, m in suite_models(cfg)))
+        return ", ".join(dict.fromkeys(model_text(m) for _, m in suite_models(cfg)))
 
     def quants(cfg: dict[str, Any]) -> str:
         return ", ".join(dict.fromkeys(str(m.get("quant") or "?") for _, m in suite_models(cfg)))
@@ -584,9 +564,7 @@ def _noise_notes(a: Side, b: Side, metrics: list[str]) -> list[str]:
             pairs = [(s.repeat, _repeat_value(s, path)) for s in side.repeats]
             pairs = [(r, v) for r, v in pairs if v is not None]
             if len(pairs) >= 3:
-                diags[metric_label(path)[0]] = st.noise(
-                    [v for _, v in pairs], _direction(path), [r for r, _ in pairs]
-                )
+                diags[metric_label(path)[0]] = st.noise([v for _, v in pairs], _direction(path), [r for r, _ in pairs])
         notes += st.noise_warnings(side.arm, diags)
     return notes
 
@@ -750,9 +728,12 @@ def method_text(c: Comparison, confidence: float) -> str:
     return f"{int(round(confidence * 100))}% CI: " + "; ".join(parts) + "."
 
 
-def _title(report: Report, c: Comparison) -> str:
-    ma, mb = scenario_model(report.a.result.config, c.scenario), scenario_model(report.b.result.config, c.scenario)
-    what = c.scenario + (f" ({ma})" if ma and ma == mb else f" ({ma} → {mb})" if ma or mb else "")
+def comparison_title(report: Report, c: Comparison) -> str:
+    """'<scenario> (<model>) · A = ..., B = ...' (Markdown backticks around labels)."""
+    ca, cb = report.a.result.config, report.b.result.config
+    ma, mb = scenario_model(ca, c.scenario, always=True), scenario_model(cb, c.scenario, always=True)
+    named = len(suite_models(ca)) > 1 or len(suite_models(cb)) > 1 or ma != mb  # one same model: not repeated
+    what = c.scenario + ("" if not named else f" ({ma})" if ma == mb else f" ({ma} → {mb})")
     if report.a is report.b:
         return f"{what} · A = `{c.a.arm}`, B = `{c.b.arm}`"
 
@@ -768,7 +749,7 @@ def to_markdown(report: Report, images: Sequence[tuple[str, str]] = ()) -> str:
     ci_head = f"Δ % ({int(round(report.confidence * 100))}% CI)"
     for c in report.comparisons:
         lines += [
-            f"### {_title(report, c)}",
+            f"### {comparison_title(report, c)}",
             "",
             f"| metric | A | B | {ci_head} | verdict |",
             "| --- | ---: | ---: | ---: | --- |",
@@ -796,7 +777,7 @@ def render_rich(report: Report, console: Any) -> None:
     style = {"better": "green", "worse": "red", "no significant change": "dim", "n/a": "dim"}
     console.print(report.provenance_line.replace("`", ""))
     for c in report.comparisons:
-        t = Table(title=_title(report, c).replace("`", ""), title_justify="left")
+        t = Table(title=comparison_title(report, c).replace("`", ""), title_justify="left")
         t.add_column("metric")
         t.add_column("A", justify="right")
         t.add_column("B", justify="right")

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from perfkit.config import model_names
 from perfkit.errors import PerfkitError
 
 SCHEMA_VERSION = 1
@@ -208,6 +209,47 @@ class Result(BaseModel):
 
 
 # --------------------------------------------------------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Which model a scenario result ran (a suite may run several: `models:`)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def suite_models(cfg: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(name, model config) of each model a result's suite ran: ``models``, or the single ``model`` (a result's
+    ``model`` is only a default when ``models`` is set)."""
+    models = cfg.get("models") or [cfg.get("model") or {}]
+    return list(zip(model_names([(m.get("preset"), m.get("path")) for m in models]), models, strict=True))
+
+
+def model_text(m: dict[str, Any]) -> str:
+    name = m.get("preset") or (Path(m["path"]).name if m.get("path") else "?")
+    return name + (f", {m['num_layers']} layers" if m.get("num_layers") else "")
+
+
+def scenario_model_config(cfg: dict[str, Any], scenario: str) -> dict[str, Any]:
+    """The model config a scenario result ran: the suite's only model, or the one its "<model>/" prefix names
+    ({} when none matches)."""
+    models = suite_models(cfg)
+    if len(models) == 1:
+        return models[0][1]
+    prefix = scenario.partition("/")[0]
+    return next((m for name, m in models if name == prefix), {})
+
+
+def suite_scenario_name(cfg: dict[str, Any], scenario: str) -> str:
+    """The config's name of a scenario result: "31b-2/c1" -> "c1" in a several-model suite, else unchanged."""
+    prefix, sep, rest = scenario.partition("/")
+    if sep and len(suite_models(cfg)) > 1 and prefix in {name for name, _ in suite_models(cfg)}:
+        return rest
+    return scenario
+
+
+def scenario_model(cfg: dict[str, Any], scenario: str, always: bool = False) -> str | None:
+    """'<model> <quant>' of a scenario ("31b-2/c1" -> "31b nvfp4"); None for a one-model suite unless ``always``."""
+    m = scenario_model_config(cfg, scenario) if always or len(suite_models(cfg)) > 1 else {}
+    return f"{model_text(m)} {m.get('quant') or '?'}" if m else None
 
 
 def make_run_id(config_name: str, label: str | None = None, now: float | None = None) -> str:

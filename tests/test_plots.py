@@ -89,6 +89,32 @@ def test_throughput_vs_latency(tmp_path):
     assert fig.axes[0].get_xlabel() == "median TPOT (ms)"
 
 
+def test_throughput_vs_latency_of_a_several_model_suite(tmp_path):
+    """b200_nvfp4's shape: one file, two models, scenario results named "<model>/<scenario>". Each model is its own
+    curve (it was one mixed curve, or none: the prefixed names missed the config's concurrency), and a two-file
+    delta plot's title names the scenario's models and the two files."""
+    models = [{"preset": "31b", "quant": "nvfp4"}, {"preset": "26b-a4b", "quant": "nvfp4"}]
+    scen_cfg = [{"name": f"c{c}", "arrival": {"kind": "closed", "concurrency": c}} for c in (1, 8)]
+    cfg = config(scenarios=scen_cfg) | {"models": models}
+    scen, reqs = [], []
+    for m, tpot in (("31b", 12.0), ("26b-a4b", 5.0)):
+        for c in (1, 8):
+            r = requests_for(f"{m}/c{c}", "default", 0, np.full(6, 100.0), np.full(6, tpot * (1 + c / 8)))
+            scen.append(scenario_from_requests(f"{m}/c{c}", "default", 0, r))
+            reqs += r
+    path = write_run(tmp_path / "suite", scen, reqs, cfg=cfg)
+    pts = plots.throughput_points(read_result(path))
+    assert sorted(pts) == ["26b-a4b nvfp4 · default", "31b nvfp4 · default"]
+    assert [c for c, _, _ in pts["31b nvfp4 · default"]] == [1, 8]
+    other = write_run(tmp_path / "other", scen, reqs, cfg=cfg | {"models": models[:1] + [models[1] | {"quant": "fp8"}]})
+    written = plots.plot_results([path, other], tmp_path / "png")
+    assert tmp_path / "png" / "throughput_vs_latency.png" in written
+    (title,) = [
+        t for t, _ in plots.write_delta_plots(compare(path, other), tmp_path / "d") if t.startswith("26b-a4b/c8")
+    ]
+    assert title.splitlines() == ["26b-a4b/c8 (26b-a4b nvfp4 → 26b-a4b fp8)", "A = suite, B = other"]
+
+
 def test_memory_by_phase(tmp_path):
     def mem(scale: float) -> MemorySection:
         return MemorySection(

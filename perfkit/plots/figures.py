@@ -16,7 +16,16 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from perfkit.results import KernelRow, MemorySection, RangeStats, Result, ScenarioResult
+from perfkit.results import (
+    KernelRow,
+    MemorySection,
+    RangeStats,
+    Result,
+    ScenarioResult,
+    scenario_model,
+    suite_models,
+    suite_scenario_name,
+)
 
 FIGSIZE = (8.0, 4.5)
 DPI = 150
@@ -105,15 +114,16 @@ def delta_bars(rows: Sequence[DeltaRowLike], title: str = "", confidence: float 
             ax.barh([np.nan], [np.nan], color=color, label=verdict)
     ax.legend(fontsize=7, loc="best")
     ax.grid(axis="x", alpha=0.3)
-    if title:
-        ax.set_title(title)
+    if title:  # over the whole figure: the long metric labels push the axes right, an axes title would clip
+        fig.suptitle(title, fontsize=10)
     return fig
 
 
 def scenario_concurrency(result: Result, s: ScenarioResult) -> int | None:
     """Closed-loop concurrency of a scenario (config arrival, else workload spec / runtime), None otherwise."""
+    name = suite_scenario_name(result.config, s.name)  # "31b/c64" in a several-model suite is the config's "c64"
     for sc in result.config.get("scenarios") or []:
-        if isinstance(sc, dict) and sc.get("name") == s.name:
+        if isinstance(sc, dict) and sc.get("name") == name:
             arr = sc.get("arrival") or {}
             if arr.get("kind", "closed") == "closed" and arr.get("concurrency") is not None:
                 return int(arr["concurrency"])
@@ -124,15 +134,20 @@ def scenario_concurrency(result: Result, s: ScenarioResult) -> int | None:
     return None
 
 
-def throughput_points(result: Result) -> dict[str, list[tuple[int, float, float]]]:
-    """arm -> [(concurrency, median TPOT ms, output tok/s)] over closed-loop ok scenarios, medians over repeats."""
+def throughput_points(result: Result, with_model: bool = False) -> dict[str, list[tuple[int, float, float]]]:
+    """curve -> [(concurrency, median TPOT ms, output tok/s)] over closed-loop ok scenarios, medians over repeats.
+    One curve per arm, per model and arm in a several-model suite ("31b nvfp4 · default"); ``with_model`` names the
+    model of a one-model suite too (several files side by side)."""
+    several = len(suite_models(result.config)) > 1
     acc: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for s in result.scenarios:
         c = scenario_concurrency(result, s)
         tpot = s.metrics.get("tpot_ms")
         if s.status != "ok" or c is None or s.throughput is None or tpot is None or tpot.p50 is None:
             continue
-        acc.setdefault((s.arm_name, c), []).append((tpot.p50, s.throughput.output_tok_s))
+        model = scenario_model(result.config, s.name, always=True) if several or with_model else None
+        curve = s.arm_name if model is None else f"{model} · {s.arm_name}"
+        acc.setdefault((curve, c), []).append((tpot.p50, s.throughput.output_tok_s))
     out: dict[str, list[tuple[int, float, float]]] = {}
     for (arm, c), vals in acc.items():
         v = np.asarray(vals)

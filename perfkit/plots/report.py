@@ -82,8 +82,8 @@ def plot_results(paths: Sequence[str | Path], out_dir: str | Path) -> list[Path]
             written.append(F.save(F.nvtx_ranges(nv, title=f"{scen}: NVTX range time"), out / f"{_slug(scen)}_nvtx.png"))
     tl: dict[str, list[tuple[int, float, float]]] = {}
     for res, _ in loaded:
-        for arm, pts in F.throughput_points(res).items():
-            tl[arm if len(loaded) == 1 else f"{res.run_id} · {arm}"] = pts
+        for curve, pts in F.throughput_points(res, with_model=len(loaded) > 1).items():
+            tl[curve if len(loaded) == 1 else f"{res.run_id} · {curve}"] = pts
     if any(len({c for c, _, _ in pts}) >= 2 for pts in tl.values()):
         written.append(F.save(F.throughput_vs_latency(tl), out / "throughput_vs_latency.png"))
     for res, _ in loaded:
@@ -103,8 +103,10 @@ def plot_results(paths: Sequence[str | Path], out_dir: str | Path) -> list[Path]
 def write_delta_plots(report: Any, out_dir: str | Path) -> list[tuple[str, Path]]:
     """One delta-bar figure per comparison of a `perfkit.compare.Report`: [(title, path)]."""
     out = []
+    from perfkit.compare import comparison_title
+
     for c in report.comparisons:
-        title = f"{c.scenario}: {c.b.arm} vs {c.a.arm}"
+        title = comparison_title(report, c).replace("`", "").replace(" · ", "\n", 1)  # scenario, then the sides
         fig = F.delta_bars(c.rows, title=title, confidence=report.confidence)
         name = f"{_slug(c.scenario)}_{_slug(c.b.arm)}_vs_{_slug(c.a.arm)}_delta.png"
         out.append((title, F.save(fig, Path(out_dir) / name)))
