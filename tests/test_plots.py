@@ -113,6 +113,10 @@ def test_throughput_vs_latency_of_a_several_model_suite(tmp_path):
         t for t, _ in plots.write_delta_plots(compare(path, other), tmp_path / "d") if t.startswith("26b-a4b/c8")
     ]
     assert title.splitlines() == ["26b-a4b/c8 (26b-a4b nvfp4 → 26b-a4b fp8)", "A = suite, B = other"]
+    from perfkit.plots.report import _sides
+
+    labels = {(scen, label) for label, scen, _, _ in _sides([(read_result(p), []) for p in (path, other)])}
+    assert ("26b-a4b/c1", "other · 26b-a4b fp8") in labels and ("31b/c1", "other") in labels  # named where differ
 
 
 def test_memory_by_phase(tmp_path):

@@ -11,7 +11,7 @@ import numpy as np
 
 from perfkit.errors import PerfkitError
 from perfkit.plots import figures as F
-from perfkit.results import RangeStats, Result, ScenarioResult, read_requests, read_result
+from perfkit.results import RangeStats, Result, ScenarioResult, read_requests, read_result, scenario_model
 
 
 def _slug(text: str) -> str:
@@ -35,9 +35,14 @@ def _mean_ranges(reps: list[ScenarioResult]) -> dict[str, RangeStats]:
 
 
 def _sides(loaded: list[tuple[Result, list[dict[str, Any]]]]) -> list[tuple[str, str, list[ScenarioResult], list]]:
-    """(label, scenario, ok repeats, requests) per (file, scenario, arm); labels unique across files."""
+    """(label, scenario, ok repeats, requests) per (file, scenario, arm); labels unique across files, and naming
+    the model where the files ran the scenario on different ones."""
     out = []
     many = len(loaded) > 1
+    models: dict[str, set[str | None]] = {}
+    for res, _ in loaded:
+        for s in res.scenarios:
+            models.setdefault(s.name, set()).add(scenario_model(res.config, s.name, always=True))
     for res, reqs in loaded:
         arms = list(dict.fromkeys(s.arm_name for s in res.scenarios))
         for scen in dict.fromkeys(s.name for s in res.scenarios):
@@ -46,6 +51,8 @@ def _sides(loaded: list[tuple[Result, list[dict[str, Any]]]]) -> list[tuple[str,
                 if not reps:
                     continue
                 label = arm if not many else (res.run_id if len(arms) == 1 else f"{res.run_id} · {arm}")
+                if many and len(models[scen]) > 1:
+                    label += f" · {scenario_model(res.config, scen, always=True)}"
                 rq = [r for r in reqs if r.get("scenario") == scen and r.get("arm") in (arm, reps[0].arm)]
                 out.append((label, scen, reps, rq))
     return out
