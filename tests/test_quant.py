@@ -293,8 +293,9 @@ def test_w4a16_gemv_wide_matches_reference(monkeypatch):
 
 
 def test_w4a16_gemv_wide_decode_is_exact(monkeypatch):
-    """One-hot x through the wide kernel picks single weights: equal to the reference bit for bit over all 256
-    byte values in every byte position of its 16-byte chunks and both row sets."""
+    """One-hot x through the wide kernel picks single weights: equal to the reference bit for bit at 8 positions
+    (first / last of a word, a scale group and a 32-element chunk, and two more), in 16 rows of permuted byte
+    values (both row sets), with random block scales."""
     calls = _count_wide(monkeypatch)
     N, K = 16, 512
     gen = torch.Generator().manual_seed(5)
