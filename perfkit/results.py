@@ -241,9 +241,8 @@ def scenario_model_config(cfg: dict[str, Any], scenario: str) -> dict[str, Any]:
 def suite_scenario_name(cfg: dict[str, Any], scenario: str) -> str:
     """The config's name of a scenario result: "31b-2/c1" -> "c1" in a several-model suite, else unchanged."""
     prefix, sep, rest = scenario.partition("/")
-    if sep and len(suite_models(cfg)) > 1 and prefix in {name for name, _ in suite_models(cfg)}:
-        return rest
-    return scenario
+    names = [name for name, _ in suite_models(cfg)]
+    return rest if sep and len(names) > 1 and prefix in names else scenario
 
 
 def scenario_model(cfg: dict[str, Any], scenario: str, always: bool = False) -> str | None:

@@ -87,6 +87,8 @@ from perfkit.kernels.w4a16_gemm import (
     _asm,
     _dequant_tile,
     _e4m3_times_2m8,
+    _int64_rows,
+    _wide_gemv,
     _wide_loop,
     _wide_ptrs,
     _wide_sum,
@@ -500,21 +502,14 @@ def _moe_gather_down_w4a16_kernel(
     with the pair's expert. One program per pair rather than one per token with the K slots inside: unrolled, the
     slots' loads in flight took 255 registers and spilled (sm_90 offline compile)."""
     p = tl.program_id(0).to(tl.int64)
-    pid_n = tl.program_id(1)
-    HS: tl.constexpr = BLOCK_N // 2
     e = tl.load(idx_ptr + p).to(tl.int64)
     wt = tl.load(topw_ptr + p).to(tl.float32)
-    c = tl.arange(0, BLOCK_K // 32)
-    offs_a = pid_n * BLOCK_N + tl.arange(0, HS)
-    offs_b = offs_a + HS
-    ra = tl.minimum(offs_a, H - 1).to(tl.int64)
-    rb = tl.minimum(offs_b, H - 1).to(tl.int64)
-    wa, sa = _wide_ptrs(w_ptr + e * stride_we, s_ptr + e * stride_se, ra, stride_wn, stride_sn, c)
-    wb, sb = _wide_ptrs(w_ptr + e * stride_we, s_ptr + e * stride_se, rb, stride_wn, stride_sn, c)
-    xp = _wide_x(act_ptr + p * stride_act, c)
-    acc_a, acc_b = _wide_loop(wa, sa, wb, sb, xp, inter * (wt != 0).to(tl.int32), inter, c, EVEN_K, BLOCK_K, ASM)
-    ya = _wide_sum(acc_a) * (wt * tl.load(rs_ptr + e * stride_re + ra))
-    yb = _wide_sum(acc_b) * (wt * tl.load(rs_ptr + e * stride_re + rb))
+    offs_a, ra, ya, offs_b, rb, yb = _wide_gemv(
+        act_ptr + p * stride_act, w_ptr + e * stride_we, s_ptr + e * stride_se, tl.program_id(1) * BLOCK_N, H,
+        inter, inter * (wt != 0).to(tl.int32), stride_wn, stride_sn, BLOCK_N // 2, BLOCK_K, EVEN_K, ASM,
+    )  # fmt: skip
+    ya = ya * (wt * tl.load(rs_ptr + e * stride_re + ra))
+    yb = yb * (wt * tl.load(rs_ptr + e * stride_re + rb))
     tl.store(y_ptr + p * stride_y + offs_a, ya, mask=offs_a < H)
     tl.store(y_ptr + p * stride_y + offs_b, yb, mask=offs_b < H)
 
@@ -775,16 +770,18 @@ def gather_w4a16_fits(x: torch.Tensor, gate_up: QuantExpertWeights) -> bool:
     """What the NVFP4 gather kernels need: bf16 x with 8-byte-aligned rows; H and I multiples of 32 (each thread
     reads 16-byte chunks of 32 elements)."""
     _, two_i, H = gate_up.shape
-    return (
-        gate_up.fmt == "nvfp4" and x.dtype == torch.bfloat16 and H % 32 == 0 and (two_i // 2) % 32 == 0
-        and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0
-    )  # fmt: skip
+    return gate_up.fmt == "nvfp4" and _int64_rows(x) and H % 32 == 0 and (two_i // 2) % 32 == 0
 
 
 def _wide_tiles(default: dict[str, int], override: dict[str, int] | None, n: int, kd: int) -> dict[str, int]:
     t = _gather_tiles(default, override, n, kd)
     t["BLOCK_N"], t["BLOCK_K"] = max(2, t["BLOCK_N"]), max(32, t["BLOCK_K"])  # two row sets; 32-element chunks
     return t
+
+
+def _nvfp4_operands(wq: QuantExpertWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' view of NVFP4 expert weights: int32 words, raw uint8 block scales, fp32 row scales."""
+    return _words(wq.values), wq.block_scale.contiguous().view(torch.uint8), wq.row_scale.to(torch.float32).contiguous()
 
 
 def _fused_moe_gather_w4a16(
@@ -803,16 +800,14 @@ def _fused_moe_gather_w4a16(
     inter, K = down.shape[2], topk_idx.shape[1]
     idx = topk_idx.reshape(-1).contiguous()
     topw = topk_w.reshape(-1).contiguous()
-    wg, sg = _words(gate_up.values), gate_up.block_scale.contiguous().view(torch.uint8)
-    rg = gate_up.row_scale.to(torch.float32).contiguous()
+    wg, sg, rg = _nvfp4_operands(gate_up)
     t1 = _wide_tiles(GATHER_W4A16_GATE_UP_TILES, gate_up_tiles, inter, H)
     act = torch.empty((T * K, inter), dtype=x.dtype, device=x.device)
     _moe_gather_gate_up_w4a16_kernel[(T * K, triton.cdiv(inter, t1["BLOCK_N"]))](
         x, wg, sg, rg, act, idx, topw, inter, H, K, x.stride(0), wg.stride(0), wg.stride(1), sg.stride(0),
         sg.stride(1), rg.stride(0), act.stride(0), EVEN_K=H % t1["BLOCK_K"] == 0, ASM=_asm(), **t1,
     )  # fmt: skip
-    wd, sd = _words(down.values), down.block_scale.contiguous().view(torch.uint8)
-    rd = down.row_scale.to(torch.float32).contiguous()
+    wd, sd, rd = _nvfp4_operands(down)
     t2 = _wide_tiles(GATHER_W4A16_DOWN_TILES, down_tiles, H, inter)
     y = torch.empty((T * K, H), dtype=torch.float32, device=x.device)
     _moe_gather_down_w4a16_kernel[(T * K, triton.cdiv(H, t2["BLOCK_N"]))](

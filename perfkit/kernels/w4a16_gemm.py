@@ -439,6 +439,23 @@ def _wide_sum(acc):
 
 
 @triton.jit
+def _wide_gemv(x_ptr, w_ptr, s_ptr, row0, N, K, k_end, stride_wn, stride_sn, H: tl.constexpr,
+               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """Rows [row0, row0 + 2 H) of one weight (``w_ptr`` / ``s_ptr`` at its row 0) against one row of bf16 x, as
+    two row sets of H: per set its row offsets [H], the rows read (clamped to N - 1: rows past N re-read the last,
+    not to be stored) and the dot products before the global scale."""
+    c = tl.arange(0, BLOCK_K // 32)  # chunks of 32 elements: one per thread and row set
+    offs_a = row0 + tl.arange(0, H)
+    offs_b = offs_a + H
+    ra = tl.minimum(offs_a, N - 1).to(tl.int64)
+    rb = tl.minimum(offs_b, N - 1).to(tl.int64)
+    wa, sa = _wide_ptrs(w_ptr, s_ptr, ra, stride_wn, stride_sn, c)
+    wb, sb = _wide_ptrs(w_ptr, s_ptr, rb, stride_wn, stride_sn, c)
+    acc_a, acc_b = _wide_loop(wa, sa, wb, sb, _wide_x(x_ptr, c), k_end, K, c, EVEN_K, BLOCK_K, ASM)
+    return offs_a, ra, _wide_sum(acc_a), offs_b, rb, _wide_sum(acc_b)
+
+
+@triton.jit
 def _w4a16_gemv_wide_kernel(
     x_ptr,  # [1, K] bf16 activations, 8-byte aligned, read as int64 words
     w_ptr,  # [N, K/8] int32 packed weight, K % 32 == 0 (rows of 16-byte chunks)
@@ -460,17 +477,11 @@ def _w4a16_gemv_wide_kernel(
     in the same layout, so each thread loads and converts its 32 x elements once for two weight rows. Two steps
     in flight as in the narrow kernel. Per weight element: 5.8 SASS instructions in the loop (narrow: 7.3), no
     shared memory (sm_90, Triton 3.9 offline compile, 16 x 1024 x 8 warps and 16 x 512 x 4 warps)."""
-    pid = tl.program_id(0)
-    c = tl.arange(0, BLOCK_K // 32)  # chunks of 32 elements: one per thread and row set
-    offs_a = pid * 2 * H + tl.arange(0, H)
-    offs_b = offs_a + H
-    ra = tl.minimum(offs_a, N - 1).to(tl.int64)  # rows past N re-read row N - 1 (not stored)
-    rb = tl.minimum(offs_b, N - 1).to(tl.int64)
-    wa, sa = _wide_ptrs(w_ptr, s_ptr, ra, stride_wn, stride_sn, c)
-    wb, sb = _wide_ptrs(w_ptr, s_ptr, rb, stride_wn, stride_sn, c)
-    acc_a, acc_b = _wide_loop(wa, sa, wb, sb, _wide_x(x_ptr, c), K, K, c, EVEN_K, BLOCK_K, ASM)
-    ya = _wide_sum(acc_a) * tl.load(gs_ptr + ra * gs_stride)
-    yb = _wide_sum(acc_b) * tl.load(gs_ptr + rb * gs_stride)
+    row0 = tl.program_id(0) * 2 * H
+    offs_a, ra, ya, offs_b, rb, yb = _wide_gemv(x_ptr, w_ptr, s_ptr, row0, N, K, K, stride_wn, stride_sn, H,
+                                                BLOCK_K, EVEN_K, ASM)  # fmt: skip
+    ya = ya * tl.load(gs_ptr + ra * gs_stride)
+    yb = yb * tl.load(gs_ptr + rb * gs_stride)
     tl.store(out_ptr + offs_a, ya.to(out_ptr.dtype.element_ty), mask=offs_a < N)
     tl.store(out_ptr + offs_b, yb.to(out_ptr.dtype.element_ty), mask=offs_b < N)
 
@@ -793,10 +804,15 @@ def _words(weight: torch.Tensor) -> torch.Tensor:
         return w.clone().view(torch.int32)
 
 
+def _int64_rows(x: torch.Tensor) -> bool:
+    """bf16 x whose rows can be read as int64 words (4 elements each): 8-byte-aligned rows."""
+    return x.dtype == torch.bfloat16 and x.data_ptr() % 8 == 0 and x.stride(0) % 4 == 0
+
+
 def _x64(x: torch.Tensor) -> bool:
-    """The gemv reads bf16 x as int64 words (``_gemv_row``): needs 8-byte-aligned rows. ``GEMV_X64`` off: the
-    2-byte loads (the A/B baseline)."""
-    return GEMV_X64 and x.dtype == torch.bfloat16 and x.data_ptr() % 8 == 0 and x.stride(0) % 4 == 0
+    """The gemv reads bf16 x as int64 words (``_gemv_row``, the wide kernel): ``_int64_rows``. ``GEMV_X64`` off:
+    the 2-byte loads (the A/B baseline)."""
+    return GEMV_X64 and _int64_rows(x)
 
 
 def _unit_k(x: torch.Tensor) -> torch.Tensor:
