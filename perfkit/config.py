@@ -73,7 +73,7 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
     ),
     "moe_gather": (
         ("gemv", "kernels"),
-        "gemv",
+        "kernels",
         "NVFP4 MoE experts at decode sizes (T*K <= 64 pairs, bf16 activations): the gathered W4A16 gemv with the "
         "GeGLU, routing weight and combine in torch (gemv) vs two Triton kernels that fuse them (kernels); no "
         "effect on other experts",
@@ -112,7 +112,7 @@ class Toggles(BaseModel):
     fused_kernels: Literal["auto", "on", "off"] = "auto"
     nvtx: Literal["on", "off"] = "on"
     overlap: Literal["on", "off"] = "on"
-    moe_gather: Literal["gemv", "kernels"] = "gemv"
+    moe_gather: Literal["gemv", "kernels"] = "kernels"
     attention: Literal["auto", "flashinfer", "torch"] = "auto"
 
     @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", mode="before")

@@ -663,10 +663,10 @@ def test_moe_gather_toggle_reaches_the_quantised_experts():
     ec = EngineConfig(
         attention="torch", page_size=4, num_kv_pages=64, cuda_graphs=False, mask="dense", max_model_len=64
     )
-    eng = Engine(q, get_preset("tiny-moe"), ec)
-    assert eng.toggles()["moe_gather"] == "gemv"
-    eng.set_toggle("moe_gather", "kernels")
+    eng = Engine(q, get_preset("tiny-moe"), ec)  # the default, kernels, set on the experts the test left on gemv
     assert eng.toggles()["moe_gather"] == "kernels" and all(m.gather_kernels for m in experts)
+    eng.set_toggle("moe_gather", "gemv")
+    assert eng.toggles()["moe_gather"] == "gemv" and not any(m.gather_kernels for m in experts)
     with pytest.raises(PerfkitError, match="unknown toggle"):
         eng.set_toggle("moe_gather", "fast")
 
@@ -738,14 +738,13 @@ def test_fused_moe_quantized_gather_path_matches_reference(T, H, inter, K):
 
 def test_quantized_experts_gather_kernels_switch(monkeypatch):
     """QuantizedExperts.gather_kernels routes decode-sized NVFP4 batches through the gather kernels (bf16 x only;
-    fp32 x keeps the gemv gather), with the same result as the torch loop; off by default."""
+    fp32 x keeps the gemv gather), with the same result as the torch loop; on by default (the H200 A/B of 12-01f)."""
     import perfkit.runtime.quant as quant
 
-    assert quant.QuantizedExperts.gather_kernels is False
+    assert quant.QuantizedExperts.gather_kernels is True
     calls = []
     real = quant.fused_moe_quantized
     monkeypatch.setattr(quant, "fused_moe_quantized", lambda *a, **k: calls.append(k.get("path")) or real(*a, **k))
-    monkeypatch.setattr(quant.QuantizedExperts, "gather_kernels", True)
     e = _quant_experts("nvfp4", 5, 64, 32, seed=10)
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(2, 64, generator=gen)
@@ -755,6 +754,9 @@ def test_quantized_experts_gather_kernels_switch(monkeypatch):
     assert calls == ["gather"]
     calls.clear()
     e(x, idx, w)  # fp32 x: the gemv gather
+    assert calls == []
+    monkeypatch.setattr(quant.QuantizedExperts, "gather_kernels", False)
+    assert rel(e(x.to(torch.bfloat16), idx, w).float(), want) < 1.5e-2  # moe_gather=gemv: the gemv gather
     assert calls == []
 
 

@@ -69,7 +69,7 @@ class EngineConfig:
     mm_embed_cache: bool = True
     fused_kernels: bool = False  # Triton RMSNorm / GeGLU / QK-norm+RoPE / MoE instead of the PyTorch ops
     overlap: bool = True  # prepare step N+1 on the host while the GPU runs step N (see the module docstring)
-    moe_gather: str = "gemv"  # gemv | kernels: NVFP4 experts at decode sizes (Gemma4ForCausalLM.set_moe_gather)
+    moe_gather: str = "kernels"  # gemv | kernels: NVFP4 experts at decode sizes (Gemma4ForCausalLM.set_moe_gather)
     num_kv_pages: int | None = None  # override: pages per pool (tests); else kv_cache_bytes; else measured
     kv_cache_bytes: int | None = None  # override: KV budget in bytes (before the split between pools)
     decode_use_tensor_cores: bool | None = None  # flashinfer decode; None = by pool and batch (measured rule)
