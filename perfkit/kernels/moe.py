@@ -112,9 +112,12 @@ GATHER_GATE_UP_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8}  # BLOCK_N
 GATHER_DOWN_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8}  # BLOCK_N rows of H, BLOCK_K of I
 _TILE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 # NVFP4 gather kernels (``_fused_moe_gather_w4a16``): the wide W4A16 gemv's layout (each thread 32 consecutive K
-# of a row: BLOCK_N or BLOCK_N / 2 rows per set x BLOCK_K / 32 chunks = 32 x num_warps threads). Timed on the
-# H200 only through the model A/B (12-01f); these tiles are the first guess, not a sweep's winner.
-GATHER_W4A16_GATE_UP_TILES = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4}  # 8 gate + 8 up rows of I, 512 of H
+# of a row: BLOCK_N or BLOCK_N / 2 rows per set x BLOCK_K / 32 chunks = 32 x num_warps threads). H200 sweep at
+# 26B-A4B shapes (12-01f call 4, docs/h200-runs/2026-12-01f/4-gather_tiles.jsonl; one MoE layer, CUDA graph, L2
+# flushed): gate_up 8 x 256 on 2 warps ties 8 x 512 on 4 at T = 1 (33.3 us) and is 5 % faster at T = 8 (115.8
+# vs 122.0 us); no down tile beat 16 x 128 on 1 warp by more than 1 %. The layer: 34 us at T = 1 (52.6 through
+# the gemv gather), 122 us at T = 8 (222.8).
+GATHER_W4A16_GATE_UP_TILES = {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 2}  # 8 gate + 8 up rows of I, 256 of H
 GATHER_W4A16_DOWN_TILES = {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 1}  # 2 x 8 rows of H, 128 of I per pair
 
 # --------------------------------------------------------------------------------------------------------------
