@@ -12,6 +12,8 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from perfkit.kernels import moe
 from perfkit.kernels.gelu_mul import gelu_mul, gelu_mul_cat, gelu_mul_ref, gelu_mul_traffic
@@ -27,6 +29,8 @@ from perfkit.kernels.moe import (
     select_moe_path,
 )
 from perfkit.kernels.qk_norm_rope import (
+    KVCacheTarget,
+    _round_e4m3,
     head_norm,
     head_norm_ref,
     k_norm_rope_v_norm,
@@ -310,6 +314,58 @@ def test_qkv_norm_rope(dtype, sliding, k_eq_v, T):
     check(cache, ref_cache, dtype)
 
 
+@triton.jit
+def _cast_e4m3_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):  # x fp32 -> y float8_e4m3fn through _round_e4m3
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + o, _round_e4m3(tl.load(x_ptr + o, mask=o < n)), mask=o < n)
+
+
+def test_round_e4m3_is_torchs_cast_everywhere():
+    """The qkv kernel's e4m3 rounding (_round_e4m3, then the store's cast) against PyTorch's float8_e4m3fn cast on
+    every tie, every e4m3 value and its neighbours, subnormals, +-0 and the saturation edge, bytes compared."""
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite()].unique()  # the 253 e4m3 values (-0 folds into 0)
+    mids = (grid[1:] + grid[:-1]) / 2  # exact ties
+    x = torch.cat([grid, mids, torch.tensor([-0.0, 448.0, -448.0, 2.0**-10, -(2.0**-10), 3 * 2.0**-11])])
+    x = torch.cat([x, x.nextafter(x + 1), x.nextafter(x - 1)]).clamp(-448, 448)
+    x = torch.cat([x, torch.linspace(-448, 448, 40001), torch.linspace(-0.03, 0.03, 20001)]).to(DEVICE)
+    y = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=DEVICE)
+    _cast_e4m3_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    assert torch.equal(y.view(torch.uint8), x.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sliding,k_eq_v", LAYER_KINDS, ids=["hd256", "hd512_k_eq_v", "hd512_v"])
+@pytest.mark.parametrize("T", [1, 17])
+def test_qkv_norm_rope_fp8_cache_write_is_write_kv_bit_for_bit(dtype, sliding, k_eq_v, T):
+    """A float8_e4m3fn cache with per-layer scales: the kernel's K/V bytes equal what the backend's write_kv stores
+    for the kernel's own k, v outputs (rounded to the activation dtype, clamp(x / scale), e4m3), at random slots of
+    a poisoned cache, and nothing else changes. k_scale is small enough that some K values saturate at 448."""
+    from perfkit.runtime.attention.torch_paged import write_kv
+
+    a, qkv = _qkv_case(T, sliding, k_eq_v, dtype, seed=T + 3)
+    q, k, v = qkv_norm_rope(qkv, **a, eps=EPS, k_eq_v=k_eq_v)
+    k_scale, v_scale = 0.0041, 0.0173
+    assert (k.float().abs() / k_scale > 448).any()  # the clamp is exercised
+    page_size, num_pages = 5, 7
+    cache = torch.empty((num_pages, 2, page_size, 2, a["head_dim"]), dtype=torch.float8_e4m3fn, device=DEVICE)
+    cache.view(torch.uint8).fill_(0x55)
+    want = cache.clone()
+    slot_page, slot_offset = _random_slots(T, num_pages, page_size, seed=T)
+    q2, k2, v2 = qkv_norm_rope(
+        qkv, **a, eps=EPS, k_eq_v=k_eq_v, kv_cache=(cache, slot_page, slot_offset, k_scale, v_scale)
+    )
+    assert k2 is None and v2 is None and torch.equal(q2, q)
+    write_kv(want, slot_page, slot_offset, k, v, k_scale, v_scale)
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))  # the interpreter's too (_round_e4m3)
+    ref = torch.empty_like(cache)  # the reference's own fp8 write lands in the same slots, within its rounding
+    ref.view(torch.uint8).fill_(0x55)
+    qkv_norm_rope_ref(
+        qkv, **a, eps=EPS, k_eq_v=k_eq_v, kv_cache=KVCacheTarget(ref, slot_page, slot_offset, k_scale, v_scale)
+    )
+    torch.testing.assert_close(ref.float(), want.float(), rtol=0.13, atol=1.0)
+
+
 def test_qkv_norm_rope_split_projections_and_strided_views():
     """Separate (unmerged, e.g. quantised) projection outputs and row-strided views give what the merged form gives."""
     a, qkv = _qkv_case(4, True, False, torch.float32, nh=2, kvh=1)
@@ -326,7 +382,7 @@ def test_qkv_norm_rope_rejects_bad_inputs():
         qkv_norm_rope(qkv, **a, eps=EPS, k_eq_v=True)  # no room for v columns: K=V width differs
     cache = torch.zeros(3, 2, 4, 1, 256, dtype=torch.bfloat16, device=DEVICE)
     slots = torch.zeros(2, dtype=torch.long, device=DEVICE)
-    with pytest.raises(ValueError, match="cache dtype"):  # fp8 / other dtypes: the backend's write path
+    with pytest.raises(ValueError, match="cache dtype"):  # neither the activations' dtype nor fp8
         qkv_norm_rope(qkv, **a, eps=EPS, k_eq_v=False, kv_cache=(cache, slots, slots))
     with pytest.raises(ValueError, match="cache must be"):
         qkv_norm_rope(qkv, **a, eps=EPS, k_eq_v=False, kv_cache=(cache.float()[:, :, :, :, :128], slots, slots))
@@ -501,6 +557,9 @@ def test_traffic_formulas():
     assert (t["bytes_read"], t["bytes_written"]) == (96 + 64 + 32 + 32 + 32, 96 + 64)
     assert t["unfused_bytes"] == 4 * 128 + 64 + 32 + 64 + 128 + 32
     assert t["flops"] == 2 * 8 * (7 * 4 + 3)
+    t = qkv_norm_rope_traffic(2, 3, 1, 8, kv_elt_bytes=1)  # an fp8 cache: K/V written at 1 byte (16 B each)
+    assert (t["bytes_read"], t["bytes_written"]) == (96 + 64 + 32 + 32 + 32, 96 + 32)
+    assert t["unfused_bytes"] == 4 * 128 + 64 + 32 + 64 + (64 + 32) + 32
     t = qkv_norm_rope_traffic(2, 3, 1, 8, k_eq_v=True, kv_cache=False)  # K=V: no v columns to read; no slots
     assert (t["bytes_read"], t["bytes_written"], t["unfused_bytes"]) == (96 + 32 + 32 + 32, 160, 512 + 64 + 32 + 64)
     m = fused_moe_traffic(2, 8, 4, 4, 2, active_experts=3, path="sorted")  # P = 4 pairs
@@ -634,6 +693,14 @@ def test_gpu_qkv_norm_rope_31b(T, sliding):
     q2, _, _ = qkv_norm_rope(qkv, **a, eps=EPS, k_eq_v=k_eq_v, kv_cache=(cache, slot_page, slot_offset))
     assert torch.equal(q2, q)
     _check_cache_write(cache, before, slot_page, slot_offset, k, v)
+    # an fp8 cache (FP8 KV): the bytes write_kv stores for the same k, v
+    from perfkit.runtime.attention.torch_paged import write_kv
+
+    f8 = torch.zeros(cache.shape, dtype=torch.float8_e4m3fn, device=DEVICE)
+    want = f8.clone()
+    qkv_norm_rope(qkv, **a, eps=EPS, k_eq_v=k_eq_v, kv_cache=(f8, slot_page, slot_offset, 0.0041, 0.0173))
+    write_kv(want, slot_page, slot_offset, k, v, 0.0041, 0.0173)
+    assert torch.equal(f8.view(torch.uint8), want.view(torch.uint8))
 
 
 @gpu

@@ -23,9 +23,12 @@ Two kernels:
   the same raw k, before the weight and RoPE; v: weightless norm). K and V go either to ``[T, kvh, hd]`` outputs
   or straight into the paged KV cache ``[num_pages, 2, page_size, kvh, hd]`` (dim 1: 0 = K, 1 = V) at
   ``(slot_page[t], slot_offset[t])``: the slots are read on the device (pointers, never host values), so a CUDA
-  graph that captured the launch writes wherever the static slot buffers point at replay. Direct cache writes
-  need the cache dtype to equal the activation dtype (bf16 / fp32); an fp8 cache keeps the backend's quantising
-  write (the caller takes k, v and hands them to ``attend``).
+  graph that captured the launch writes wherever the static slot buffers point at replay. The cache is of the
+  activation dtype (bf16 / fp32) or float8_e4m3fn with per-layer K / V scales: then k and v are first rounded to
+  the activation dtype and stored as ``clamp(x / scale, -448, 448)`` in e4m3 (round to nearest even), the
+  backend's ``write_kv`` sequence bit for bit. Why fused: the backend's fp8 write is ~10 small torch kernels per
+  layer (cast, divide, clamp, cast, index_put for each of K and V); on the H200 FP8 KV cost 26B-A4B NVFP4 decode
+  0.75 ms per batch-1 step through them (12-01f: TPOT 4.23 ms with an fp8 cache vs 3.48 ms with bf16).
 
 fp32 math, one rounding to the output dtype. Unfused: norm (read + write), rope (read x + tables, write), v_norm
 (read + write) per tensor, then the KV write (read k and v, write them into the cache).
@@ -33,12 +36,26 @@ fp32 math, one rounding to the output dtype. Unfused: norm (read + write), rope 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-# (cache [num_pages, 2, page_size, kvh, hd], slot_page [T], slot_offset [T] int64): a direct K/V write target
-KVCacheTarget = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+from perfkit.kernels.fp8 import FP8_MAX, quantize_fp8_per_tensor
+
+_E4M3_MAX = tl.constexpr(FP8_MAX)  # float8_e4m3fn's largest finite value, for the kernels
+
+
+class KVCacheTarget(NamedTuple):
+    """A direct K/V write target: the layer's cache and the step's slots (a plain 3-tuple is accepted too)."""
+
+    cache: torch.Tensor  # [num_pages, 2, page_size, kvh, hd]: the activation dtype or float8_e4m3fn
+    slot_page: torch.Tensor  # [T] int64
+    slot_offset: torch.Tensor  # [T] int64
+    k_scale: float = 1.0  # fp8 caches: stored = clamp(k / k_scale); ignored otherwise
+    v_scale: float = 1.0
+
 
 # --------------------------------------------------------------------------------------------------------------
 # Triton kernels
@@ -123,6 +140,32 @@ def _store_halves(dst, heads, stride_h, d, half, y1, y2, m):
 
 
 @triton.jit
+def _round_e4m3(x):
+    """fp32 x, |x| <= 448 -> the nearest float8_e4m3fn value (ties to even), still fp32, so the store's cast is
+    exact. Why by hand: Triton's interpreter (how CI runs the kernels) casts fp32 -> e4m3 with three defects
+    (triton issue 8322: ties away from zero; a carry out of the mantissa dropped, 126.2 -> 64; subnormals rounded
+    twice); the GPU's cvt.rn.satfinite has none, and with this rounding both give PyTorch's bytes. The spacing at
+    x is 2^(e - 3) for x's exponent e (2^-9 below 2^-6, the subnormals); x / spacing < 16 is rounded to an integer
+    by the fp32 add of 1.5 x 2^23 (round to nearest even); the sign is put back from x's sign bit (-0 stays -0)."""
+    bits = x.to(tl.int32, bitcast=True)
+    e = tl.maximum((bits >> 23) & 0xFF, 127 - 6)  # biased exponent, subnormals at 2^-6's
+    step = ((e - 3) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127 - 3)
+    inv_step = ((257 - e) << 23).to(tl.float32, bitcast=True)  # 1 / step, exact
+    r = ((tl.abs(x) * inv_step + 12582912.0) - 12582912.0) * step
+    return tl.where(bits < 0, -r, r)
+
+
+@triton.jit
+def _store_kv_halves(dst, heads, stride_h, d, half, y1, y2, m, scale, act_ty: tl.constexpr, FP8: tl.constexpr):
+    """K or V rows into their destination; FP8: rounded to the activation dtype first, then clamp(x / scale) with
+    an IEEE division, rounded to e4m3 (``write_kv``'s ``quantize_fp8_per_tensor(k.to(act))`` bit for bit)."""
+    if FP8:
+        y1 = _round_e4m3(tl.clamp(tl.math.div_rn(y1.to(act_ty).to(tl.float32), scale), -_E4M3_MAX, _E4M3_MAX))
+        y2 = _round_e4m3(tl.clamp(tl.math.div_rn(y2.to(act_ty).to(tl.float32), scale), -_E4M3_MAX, _E4M3_MAX))
+    _store_halves(dst, heads, stride_h, d, half, y1, y2, m)
+
+
+@triton.jit
 def _qkv_norm_rope_kernel(
     q_ptr,  # [T, NH, HD] raw q (strides stride_qt, stride_qh, 1): a column slice of the merged qkv output
     k_ptr,  # [T, KVH, HD] raw k (stride_kt, stride_kh, 1)
@@ -152,8 +195,11 @@ def _qkv_norm_rope_kernel(
     stride_slot,
     stride_dst_h,  # head stride of the K/V destination (outputs and cache alike)
     eps,
+    k_scale,  # FP8: the cache layer's K / V scales (fp32)
+    v_scale,
     K_EQ_V: tl.constexpr,
     TO_CACHE: tl.constexpr,
+    FP8: tl.constexpr,  # the destination is an fp8 cache
     BLOCK_H: tl.constexpr,
     HALF: tl.constexpr,
 ):
@@ -178,16 +224,18 @@ def _qkv_norm_rope_kernel(
         if blk < n_qb + n_kb:  # key heads: k_norm weight + rope (K=V: v = the weightless norm of the same k_raw)
             heads = (blk - n_qb) * BLOCK_H + tl.arange(0, BLOCK_H)
             y1, y2, m = _normed_halves(k_ptr + t * stride_kt, heads, stride_kh, KVH, d, dm, half, eps)
+            act = q_out_ptr.dtype.element_ty
             if K_EQ_V:
-                _store_halves(v_dst_ptr + row, heads, stride_dst_h, d, half, y1, y2, m)
+                _store_kv_halves(v_dst_ptr + row, heads, stride_dst_h, d, half, y1, y2, m, v_scale, act, FP8)
             c = tl.load(cos_ptr + t * stride_c + d, mask=dm, other=1.0).to(tl.float32)[None, :]
             s = tl.load(sin_ptr + t * stride_s + d, mask=dm, other=0.0).to(tl.float32)[None, :]
             o1, o2 = _weight_rope(y1, y2, kw_ptr, c, s, d, dm, half)
-            _store_halves(k_dst_ptr + row, heads, stride_dst_h, d, half, o1, o2, m)
+            _store_kv_halves(k_dst_ptr + row, heads, stride_dst_h, d, half, o1, o2, m, k_scale, act, FP8)
         else:  # value heads (layers with a v_proj): weightless norm, no rope
             heads = (blk - n_qb - n_kb) * BLOCK_H + tl.arange(0, BLOCK_H)
             y1, y2, m = _normed_halves(v_ptr + t * stride_vt, heads, stride_vh, KVH, d, dm, half, eps)
-            _store_halves(v_dst_ptr + row, heads, stride_dst_h, d, half, y1, y2, m)
+            act = q_out_ptr.dtype.element_ty
+            _store_kv_halves(v_dst_ptr + row, heads, stride_dst_h, d, half, y1, y2, m, v_scale, act, FP8)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -305,9 +353,9 @@ def qkv_norm_rope_split(
 
     q_raw [T, nh, hd], k_raw / v_raw [T, kvh, hd] raw projections (row-strided views allowed; v_raw None: K=V
     layer, v = v_norm(k_raw)); weights [hd]; cos/sin [T, hd/2]. Returns (q [T, nh, hd], k, v): k and v are
-    [T, kvh, hd], or None when `kv_cache = (cache, slot_page, slot_offset)` was given and they were written into
-    cache[slot_page[t], 0 / 1, slot_offset[t]] (cache [num_pages, 2, page_size, kvh, hd] of q's dtype; slots int64
-    device tensors [T])."""
+    [T, kvh, hd], or None when `kv_cache = (cache, slot_page, slot_offset[, k_scale, v_scale])` was given and they
+    were written into cache[slot_page[t], 0 / 1, slot_offset[t]] (cache [num_pages, 2, page_size, kvh, hd] of q's
+    dtype, or float8_e4m3fn quantised with the scales; slots int64 device tensors [T])."""
     if q_raw.dim() != 3 or k_raw.dim() != 3 or q_raw.shape[-1] % 2:
         raise ValueError(f"q_raw / k_raw must be [T, heads, hd] with an even hd, got {tuple(q_raw.shape)} / "
                          f"{tuple(k_raw.shape)}")  # fmt: skip
@@ -328,14 +376,15 @@ def qkv_norm_rope_split(
         v = torch.empty_like(k)
         k_dst, v_dst, slot_page, slot_offset = k, v, k, k
         stride_dst_t, stride_page, stride_slot, stride_dst_h = KVH * HD, 0, 0, HD
+        k_scale = v_scale = 1.0
     else:
-        cache, slot_page, slot_offset = kv_cache
+        cache, slot_page, slot_offset, k_scale, v_scale = KVCacheTarget(*kv_cache)
         if cache.dim() != 5 or cache.shape[1] != 2 or cache.shape[3:] != (KVH, HD) or cache.stride(-1) != 1:
             raise ValueError(f"cache must be [num_pages, 2, page_size, {KVH}, {HD}] with unit dim stride, got "
                              f"{tuple(cache.shape)} strides {cache.stride()}")  # fmt: skip
-        if cache.dtype != dtype:
+        if cache.dtype not in (dtype, torch.float8_e4m3fn):
             raise ValueError(f"direct KV writes need the cache dtype ({cache.dtype}) to equal the activations' "
-                             f"({dtype}); quantising caches (fp8) take k, v through the backend")  # fmt: skip
+                             f"({dtype}) or be float8_e4m3fn")  # fmt: skip
         if slot_page.shape != (T,) or slot_offset.shape != (T,):
             raise ValueError(f"slot_page / slot_offset must be [T] = [{T}], got {tuple(slot_page.shape)} / "
                              f"{tuple(slot_offset.shape)}")  # fmt: skip
@@ -351,8 +400,9 @@ def qkv_norm_rope_split(
         q_raw, k_raw, v_src, q_weight, k_weight, cos, sin, q, k_dst, v_dst, slot_page, slot_offset,
         NH, KVH, half, q_raw.stride(0), q_raw.stride(1), k_raw.stride(0), k_raw.stride(1),
         v_src.stride(0), v_src.stride(1), cos.stride(0), sin.stride(0),
-        stride_dst_t, stride_page, stride_slot, stride_dst_h, float(eps),
-        K_EQ_V=v_raw is None, TO_CACHE=kv_cache is not None, BLOCK_H=block_h, HALF=HALF,
+        stride_dst_t, stride_page, stride_slot, stride_dst_h, float(eps), float(k_scale), float(v_scale),
+        K_EQ_V=v_raw is None, TO_CACHE=kv_cache is not None, FP8=k_dst.dtype == torch.float8_e4m3fn,
+        BLOCK_H=block_h, HALF=HALF,
         num_warps=max(1, min(8, block_h * HALF // 256)),
     )  # fmt: skip
     return q, k, v
@@ -430,14 +480,20 @@ def qkv_norm_rope_ref(
     kv_cache: KVCacheTarget | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The unfused model's sequence on the split views; with `kv_cache` the rows are index_put into the cache
-    (the torch backend's `write_kv`) and (q, None, None) is returned."""
+    (the torch backend's `write_kv`: an fp8 cache gets ``quantize_fp8_per_tensor`` of the rounded rows) and
+    (q, None, None) is returned."""
     q_raw, k_raw, v_raw = split_qkv(qkv, num_heads, num_kv_heads, head_dim, k_eq_v)
     q = qk_norm_rope_ref(q_raw, q_weight, cos, sin, eps)
     k = qk_norm_rope_ref(k_raw, k_weight, cos, sin, eps)
     v = _norm_ref(k_raw if v_raw is None else v_raw, None, eps)
     if kv_cache is None:
         return q, k, v
-    cache, slot_page, slot_offset = kv_cache
+    cache, slot_page, slot_offset, k_scale, v_scale = KVCacheTarget(*kv_cache)
+    if cache.dtype == torch.float8_e4m3fn:
+        raw = cache.view(torch.uint8)  # index_put on bytes (as write_kv)
+        raw[:, 0][slot_page, slot_offset] = quantize_fp8_per_tensor(k, k_scale).view(torch.uint8)
+        raw[:, 1][slot_page, slot_offset] = quantize_fp8_per_tensor(v, v_scale).view(torch.uint8)
+        return q, None, None
     cache[:, 0][slot_page, slot_offset] = k.to(cache.dtype)
     cache[:, 1][slot_page, slot_offset] = v.to(cache.dtype)
     return q, None, None
@@ -475,22 +531,26 @@ def qkv_norm_rope_traffic(
     elt_bytes: int = 2,
     k_eq_v: bool = False,
     kv_cache: bool = True,
+    kv_elt_bytes: int | None = None,
 ) -> dict[str, int]:
     """Minimum DRAM bytes of :func:`qkv_norm_rope`: read the merged qkv row once ([T, (nh + kvh [+ kvh]) * hd]),
-    both weights, cos + sin [T, hd/2] once, the int64 slots (kv_cache); write q, k and v.
+    both weights, cos + sin [T, hd/2] once, the int64 slots (kv_cache); write q, k and v (into the cache:
+    ``kv_elt_bytes`` per element, 1 for fp8; default ``elt_bytes``).
 
     ``unfused_bytes``: the unfused model's sequence: q and k each norm (read + write) and rope (read + tables,
-    write), v_norm (read + write), and with ``kv_cache`` the backend's KV write (read k and v, write them, slots).
+    write), v_norm (read + write), and with ``kv_cache`` the backend's KV write (read k and v, write them, slots;
+    fp8 intermediates of its quantising ops left out).
     FLOPs per element: q and k norm 3 + weight 1 + rope 3; v norm 3.
     """
     aq = tokens * num_heads * head_dim * elt_bytes
     ak = tokens * num_kv_heads * head_dim * elt_bytes
+    kv_out = tokens * num_kv_heads * head_dim * (kv_elt_bytes or elt_bytes) if kv_cache else ak
     tables = 2 * tokens * (head_dim // 2) * elt_bytes
     w = 2 * head_dim * elt_bytes
     slots = 2 * 8 * tokens if kv_cache else 0
     read = aq + ak * (1 if k_eq_v else 2) + tables + w + slots
-    written = aq + 2 * ak
-    unfused = 4 * (aq + ak) + 2 * tables + w + 2 * ak + (4 * ak + slots if kv_cache else 0)
+    written = aq + 2 * kv_out
+    unfused = 4 * (aq + ak) + 2 * tables + w + 2 * ak + (2 * ak + 2 * kv_out + slots if kv_cache else 0)
     flops = tokens * head_dim * (7 * (num_heads + num_kv_heads) + 3 * num_kv_heads)
     return {
         "bytes_read": read,

@@ -23,8 +23,9 @@ decoder layer is, in launches:
   tensor and fall back to separate GEMMs until the next `set_fused(True)` merges again. KV-shared layers (only
   q_proj) have nothing to merge.
 - K/V straight into the cache: the attention backend's `kv_write_target(layer)` gives (cache, slot_page,
-  slot_offset) of the current step; the kernel writes there and the layer calls `attend(layer, q, None, None)`.
-  fp8 caches (and backends without a paged cache) get k, v through `attend` as before.
+  slot_offset, k_scale, v_scale) of the current step; the kernel writes there (an fp8 cache quantised with the
+  scales, as the backend's write would) and the layer calls `attend(layer, q, None, None)`. Backends without a
+  paged cache get k, v through `attend` as before.
 - Sandwiches: each post-norm + residual add also emits the pre-norms that read the new residual; the last one
   of a layer (the PLE one on E2B/E4B) also emits the next layer's input_layernorm, so `decode_layers` (the layer
   loop of `forward` and of the CUDA-graph body) passes (h, normed h) from layer to layer; the first layer still
@@ -123,12 +124,13 @@ def merge_projections(linears: Sequence[nn.Module]):
 
 def _kv_write_target(
     attn: AttentionBackend, layer: AttnLayer, dtype: torch.dtype
-) -> tuple[Tensor, Tensor, Tensor] | None:
-    """The backend's direct-write target for this layer's K/V when the kernel can write it (cache of the activation
-    dtype), else None. Backends without the method (test doubles wrapping one) get k, v through attend."""
+) -> tuple[Tensor, Tensor, Tensor, float, float] | None:
+    """The backend's direct-write target for this layer's K/V when the kernel can write it (a cache of the
+    activation dtype, or fp8 with its scales), else None. Backends without the method (test doubles wrapping one)
+    get k, v through attend."""
     get = getattr(attn, "kv_write_target", None)
     target = None if get is None else get(layer)
-    if target is not None and target[0].dtype != dtype:
+    if target is not None and target[0].dtype not in (dtype, torch.float8_e4m3fn):
         return None
     return target
 

@@ -33,12 +33,13 @@ class AttentionBackend(Protocol):
         module globals."""
         ...
 
-    def kv_write_target(self, layer: AttnLayer) -> tuple[Tensor, Tensor, Tensor] | None:
+    def kv_write_target(self, layer: AttnLayer) -> tuple[Tensor, Tensor, Tensor, float, float] | None:
         """Where the caller may write this step's K/V rows itself (the fused qkv kernel writes them straight into
         the paged cache, saving the backend's scatter): (cache [num_pages, 2, page_size, kvh, hd], slot_page [T],
-        slot_offset [T] int64 device tensors of the current step's metadata). None when the layer writes no KV,
-        when the cache stores a format the caller cannot write (fp8: the backend quantises with its scales) or
-        when the backend has no paged cache. The caller must also check that cache.dtype equals its K/V dtype.
+        slot_offset [T] int64 device tensors of the current step's metadata, k_scale, v_scale). An fp8 cache
+        stores clamp(x / scale) in e4m3 (``write_kv``'s rule); other caches ignore the scales (1.0). None when
+        the layer writes no KV or the backend has no paged cache. The caller must also check that cache.dtype
+        is its K/V dtype or fp8.
         The slot tensors are those the metadata points at (CUDA graphs: static buffers refilled before every
         replay), so a kernel must read them on the device, never as host values."""
         ...

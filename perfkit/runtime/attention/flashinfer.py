@@ -141,7 +141,9 @@ class FlashInferBackend:
         self._active = {}
         for pool, pt in meta.pools.items():
             spec = self.kv.specs[pool]
-            common = dict(window_left=window_left(spec.window), sm_scale=1.0, q_data_type=self.q_dtype, kv_data_type=kv_dtype)
+            common = dict(
+                window_left=window_left(spec.window), sm_scale=1.0, q_data_type=self.q_dtype, kv_data_type=kv_dtype
+            )
             dec = pre = None
             if nd:
                 dec = (self.graph_decode[meta.graph_batch_size][pool] if meta.graph_batch_size
@@ -161,10 +163,11 @@ class FlashInferBackend:
             self._active[pool] = (dec, pre)
 
     # ---- attention -------------------------------------------------------------------------------------------
-    def kv_write_target(self, layer: AttnLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(cache, slot_page, slot_offset) for the fused qkv kernel's own K/V write (None on fp8 / KV-shared). Under
-        CUDA graphs the slots are DecodeGraphs' static buffers (set_metadata gets the static meta before capture
-        and every replay), so the captured kernel writes where each replay's slots point."""
+    def kv_write_target(self, layer: AttnLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None:
+        """(cache, slot_page, slot_offset, k_scale, v_scale) for the fused qkv kernel's own K/V write, fp8 caches
+        included (None on KV-shared layers). Under CUDA graphs the slots are DecodeGraphs' static buffers
+        (set_metadata gets the static meta before capture and every replay), so the captured kernel writes where
+        each replay's slots point."""
         return kv_write_target(self.kv, self.meta, layer)
 
     def attend(self, layer: AttnLayer, q: torch.Tensor, k, v) -> torch.Tensor:

@@ -58,14 +58,15 @@ def write_layer_kv(
 
 def kv_write_target(
     kv: PagedKVCache, meta: AttentionMetadata, layer: AttnLayer
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None:
     """Both backends' `kv_write_target`: (this layer's cache, slot_page, slot_offset of its pool in the current
-    step's metadata), or None on KV-shared layers and fp8 caches (those rows need the backend's quantising write).
-    The caller writes K/V at cache[slot_page[t], 0 / 1, slot_offset[t]] and then calls attend(layer, q, None, None)."""
-    if not layer.writes_kv or kv.is_fp8:
+    step's metadata, k_scale, v_scale), or None on KV-shared layers. The caller writes K/V at
+    cache[slot_page[t], 0 / 1, slot_offset[t]] (an fp8 cache: quantised as `write_kv` does, with the scales) and
+    then calls attend(layer, q, None, None)."""
+    if not layer.writes_kv:
         return None
     pt = meta.pools[kv.pool_of(layer.index)]
-    return kv.layer_cache(layer.index), pt.slot_page, pt.slot_offset
+    return (kv.layer_cache(layer.index), pt.slot_page, pt.slot_offset, *kv.layer_scales(layer.index))
 
 
 def read_kv(pages: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -143,7 +144,7 @@ class TorchPagedBackend:
             self._prep[key] = reqs
         return self._prep[key]
 
-    def kv_write_target(self, layer: AttnLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def kv_write_target(self, layer: AttnLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None:
         return kv_write_target(self.kv, self.meta, layer)
 
     def attend(self, layer: AttnLayer, q: torch.Tensor, k, v) -> torch.Tensor:
