@@ -156,10 +156,12 @@ def _round_e4m3(x):
 
 
 @triton.jit
-def _store_kv_halves(dst, heads, stride_h, d, half, y1, y2, m, scale, act_ty: tl.constexpr, FP8: tl.constexpr):
+def _store_kv_halves(dst, heads, stride_h, d, half, y1, y2, m, scale, act_ptr, FP8: tl.constexpr):
     """K or V rows into their destination; FP8: rounded to the activation dtype first, then clamp(x / scale) with
-    an IEEE division, rounded to e4m3 (``write_kv``'s ``quantize_fp8_per_tensor(k.to(act))`` bit for bit)."""
+    an IEEE division, rounded to e4m3 (``write_kv``'s ``quantize_fp8_per_tensor(k.to(act))`` bit for bit).
+    ``act_ptr``: any pointer of the activation dtype (a dtype itself cannot be passed to a jit function)."""
     if FP8:
+        act_ty = act_ptr.dtype.element_ty
         y1 = _round_e4m3(tl.clamp(tl.math.div_rn(y1.to(act_ty).to(tl.float32), scale), -_E4M3_MAX, _E4M3_MAX))
         y2 = _round_e4m3(tl.clamp(tl.math.div_rn(y2.to(act_ty).to(tl.float32), scale), -_E4M3_MAX, _E4M3_MAX))
     _store_halves(dst, heads, stride_h, d, half, y1, y2, m)
@@ -224,18 +226,16 @@ def _qkv_norm_rope_kernel(
         if blk < n_qb + n_kb:  # key heads: k_norm weight + rope (K=V: v = the weightless norm of the same k_raw)
             heads = (blk - n_qb) * BLOCK_H + tl.arange(0, BLOCK_H)
             y1, y2, m = _normed_halves(k_ptr + t * stride_kt, heads, stride_kh, KVH, d, dm, half, eps)
-            act = q_out_ptr.dtype.element_ty
             if K_EQ_V:
-                _store_kv_halves(v_dst_ptr + row, heads, stride_dst_h, d, half, y1, y2, m, v_scale, act, FP8)
+                _store_kv_halves(v_dst_ptr + row, heads, stride_dst_h, d, half, y1, y2, m, v_scale, q_out_ptr, FP8)
             c = tl.load(cos_ptr + t * stride_c + d, mask=dm, other=1.0).to(tl.float32)[None, :]
             s = tl.load(sin_ptr + t * stride_s + d, mask=dm, other=0.0).to(tl.float32)[None, :]
             o1, o2 = _weight_rope(y1, y2, kw_ptr, c, s, d, dm, half)
-            _store_kv_halves(k_dst_ptr + row, heads, stride_dst_h, d, half, o1, o2, m, k_scale, act, FP8)
+            _store_kv_halves(k_dst_ptr + row, heads, stride_dst_h, d, half, o1, o2, m, k_scale, q_out_ptr, FP8)
         else:  # value heads (layers with a v_proj): weightless norm, no rope
             heads = (blk - n_qb - n_kb) * BLOCK_H + tl.arange(0, BLOCK_H)
             y1, y2, m = _normed_halves(v_ptr + t * stride_vt, heads, stride_vh, KVH, d, dm, half, eps)
-            act = q_out_ptr.dtype.element_ty
-            _store_kv_halves(v_dst_ptr + row, heads, stride_dst_h, d, half, y1, y2, m, v_scale, act, FP8)
+            _store_kv_halves(v_dst_ptr + row, heads, stride_dst_h, d, half, y1, y2, m, v_scale, q_out_ptr, FP8)
 
 
 # --------------------------------------------------------------------------------------------------------------
