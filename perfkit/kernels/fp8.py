@@ -10,11 +10,13 @@ Format of one quantised [N, K] linear: ``weight`` float8_e4m3fn [N, K], ``weight
   ``quantize_input=False``), dequantise W, multiply in fp32.
 - :func:`fp8_per_tensor_scale`: ``amax / 448`` helper (e.g. for an FP8 KV cache's per-tensor scales).
 - :func:`quantize_fp8_per_tensor` / :func:`dequantize_fp8_per_tensor`: one fixed Python-float scale for a whole
-  tensor (the FP8 KV cache: ``stored = clamp(x / scale, +-448)``, ``x ~ float(stored) * scale``); graph-capturable.
+  tensor (the FP8 KV cache: ``stored = clamp(x * inv_scale, +-448)`` with ``inv_scale`` the fp32 reciprocal of
+  :func:`fp8_inv_scale`, ``x ~ float(stored) * scale``); graph-capturable.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -33,9 +35,18 @@ def fp8_per_tensor_scale(t: torch.Tensor) -> torch.Tensor:
     return (t.detach().abs().amax().float() / FP8_MAX).clamp(min=_MIN_SCALE)
 
 
+def fp8_inv_scale(scale: float) -> float:
+    """1 / scale as an fp32 value (the IEEE fp32 reciprocal of fp32(scale)). Why one spelled-out multiplier: PyTorch
+    divides by a Python scalar exactly on the CPU but as ``x * (1 / scale)`` on CUDA, so ``x / scale`` gives
+    different e4m3 bytes on the two; a multiplication by this fp32 value is exact IEEE everywhere, and the fused
+    qkv kernel's fp8 KV write multiplies by the same value."""
+    return float(np.float32(1.0) / np.float32(scale))  # numpy: IEEE fp32, no tensor (called per layer per step)
+
+
 def quantize_fp8_per_tensor(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """``(x / scale).clamp(-448, 448)`` rounded to float8_e4m3fn, computed in fp32 (one rounding, saturating)."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    """``(x * fp8_inv_scale(scale)).clamp(-448, 448)`` rounded to float8_e4m3fn, in fp32 (one rounding,
+    saturating), the same bytes on every device."""
+    return (x.float() * fp8_inv_scale(scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def dequantize_fp8_per_tensor(q: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

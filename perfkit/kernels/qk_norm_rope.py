@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from perfkit.kernels.fp8 import FP8_MAX, quantize_fp8_per_tensor
+from perfkit.kernels.fp8 import FP8_MAX, fp8_inv_scale, quantize_fp8_per_tensor
 
 _E4M3_MAX = tl.constexpr(FP8_MAX)  # float8_e4m3fn's largest finite value, for the kernels
 
@@ -156,14 +156,15 @@ def _round_e4m3(x):
 
 
 @triton.jit
-def _store_kv_halves(dst, heads, stride_h, d, half, y1, y2, m, scale, act_ptr, FP8: tl.constexpr):
-    """K or V rows into their destination; FP8: rounded to the activation dtype first, then clamp(x / scale) with
-    an IEEE division, rounded to e4m3 (``write_kv``'s ``quantize_fp8_per_tensor(k.to(act))`` bit for bit).
+def _store_kv_halves(dst, heads, stride_h, d, half, y1, y2, m, inv_scale, act_ptr, FP8: tl.constexpr):
+    """K or V rows into their destination; FP8: rounded to the activation dtype first, then clamp(x * inv_scale),
+    rounded to e4m3 (``write_kv``'s ``quantize_fp8_per_tensor(k.to(act))`` bit for bit; ``inv_scale`` is
+    ``fp8.fp8_inv_scale``).
     ``act_ptr``: any pointer of the activation dtype (a dtype itself cannot be passed to a jit function)."""
     if FP8:
         act_ty = act_ptr.dtype.element_ty
-        y1 = _round_e4m3(tl.clamp(tl.math.div_rn(y1.to(act_ty).to(tl.float32), scale), -_E4M3_MAX, _E4M3_MAX))
-        y2 = _round_e4m3(tl.clamp(tl.math.div_rn(y2.to(act_ty).to(tl.float32), scale), -_E4M3_MAX, _E4M3_MAX))
+        y1 = _round_e4m3(tl.clamp(y1.to(act_ty).to(tl.float32) * inv_scale, -_E4M3_MAX, _E4M3_MAX))
+        y2 = _round_e4m3(tl.clamp(y2.to(act_ty).to(tl.float32) * inv_scale, -_E4M3_MAX, _E4M3_MAX))
     _store_halves(dst, heads, stride_h, d, half, y1, y2, m)
 
 
@@ -197,8 +198,8 @@ def _qkv_norm_rope_kernel(
     stride_slot,
     stride_dst_h,  # head stride of the K/V destination (outputs and cache alike)
     eps,
-    k_scale,  # FP8: the cache layer's K / V scales (fp32)
-    v_scale,
+    k_inv_scale,  # FP8: 1 / the cache layer's K / V scales (fp8.fp8_inv_scale)
+    v_inv_scale,
     K_EQ_V: tl.constexpr,
     TO_CACHE: tl.constexpr,
     FP8: tl.constexpr,  # the destination is an fp8 cache
@@ -227,15 +228,15 @@ def _qkv_norm_rope_kernel(
             heads = (blk - n_qb) * BLOCK_H + tl.arange(0, BLOCK_H)
             y1, y2, m = _normed_halves(k_ptr + t * stride_kt, heads, stride_kh, KVH, d, dm, half, eps)
             if K_EQ_V:
-                _store_kv_halves(v_dst_ptr + row, heads, stride_dst_h, d, half, y1, y2, m, v_scale, q_out_ptr, FP8)
+                _store_kv_halves(v_dst_ptr + row, heads, stride_dst_h, d, half, y1, y2, m, v_inv_scale, q_out_ptr, FP8)
             c = tl.load(cos_ptr + t * stride_c + d, mask=dm, other=1.0).to(tl.float32)[None, :]
             s = tl.load(sin_ptr + t * stride_s + d, mask=dm, other=0.0).to(tl.float32)[None, :]
             o1, o2 = _weight_rope(y1, y2, kw_ptr, c, s, d, dm, half)
-            _store_kv_halves(k_dst_ptr + row, heads, stride_dst_h, d, half, o1, o2, m, k_scale, q_out_ptr, FP8)
+            _store_kv_halves(k_dst_ptr + row, heads, stride_dst_h, d, half, o1, o2, m, k_inv_scale, q_out_ptr, FP8)
         else:  # value heads (layers with a v_proj): weightless norm, no rope
             heads = (blk - n_qb - n_kb) * BLOCK_H + tl.arange(0, BLOCK_H)
             y1, y2, m = _normed_halves(v_ptr + t * stride_vt, heads, stride_vh, KVH, d, dm, half, eps)
-            _store_kv_halves(v_dst_ptr + row, heads, stride_dst_h, d, half, y1, y2, m, v_scale, q_out_ptr, FP8)
+            _store_kv_halves(v_dst_ptr + row, heads, stride_dst_h, d, half, y1, y2, m, v_inv_scale, q_out_ptr, FP8)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -400,7 +401,7 @@ def qkv_norm_rope_split(
         q_raw, k_raw, v_src, q_weight, k_weight, cos, sin, q, k_dst, v_dst, slot_page, slot_offset,
         NH, KVH, half, q_raw.stride(0), q_raw.stride(1), k_raw.stride(0), k_raw.stride(1),
         v_src.stride(0), v_src.stride(1), cos.stride(0), sin.stride(0),
-        stride_dst_t, stride_page, stride_slot, stride_dst_h, float(eps), float(k_scale), float(v_scale),
+        stride_dst_t, stride_page, stride_slot, stride_dst_h, float(eps), fp8_inv_scale(k_scale), fp8_inv_scale(v_scale),
         K_EQ_V=v_raw is None, TO_CACHE=kv_cache is not None, FP8=k_dst.dtype == torch.float8_e4m3fn,
         BLOCK_H=block_h, HALF=HALF,
         num_warps=max(1, min(8, block_h * HALF // 256)),
