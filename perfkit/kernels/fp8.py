@@ -37,9 +37,9 @@ def fp8_per_tensor_scale(t: torch.Tensor) -> torch.Tensor:
 
 def fp8_inv_scale(scale: float) -> float:
     """1 / scale as an fp32 value (the IEEE fp32 reciprocal of fp32(scale)). Why one spelled-out multiplier: PyTorch
-    divides by a Python scalar exactly on the CPU but as ``x * (1 / scale)`` on CUDA, so ``x / scale`` gives
-    different e4m3 bytes on the two; a multiplication by this fp32 value is exact IEEE everywhere, and the fused
-    qkv kernel's fp8 KV write multiplies by the same value."""
+    divides by a Python scalar exactly on the CPU but as ``x * (1 / scale)`` on CUDA (its div_true kernel), so
+    ``x / scale`` can differ by an fp32 ulp between the two; a multiplication by this fp32 value is IEEE-rounded
+    the same everywhere, and the fused qkv kernel's fp8 KV write multiplies by the same value."""
     return float(np.float32(1.0) / np.float32(scale))  # numpy: IEEE fp32, no tensor (called per layer per step)
 
 

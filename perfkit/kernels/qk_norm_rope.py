@@ -25,10 +25,12 @@ Two kernels:
   ``(slot_page[t], slot_offset[t])``: the slots are read on the device (pointers, never host values), so a CUDA
   graph that captured the launch writes wherever the static slot buffers point at replay. The cache is of the
   activation dtype (bf16 / fp32) or float8_e4m3fn with per-layer K / V scales: then k and v are first rounded to
-  the activation dtype and stored as ``clamp(x / scale, -448, 448)`` in e4m3 (round to nearest even), the
-  backend's ``write_kv`` sequence bit for bit. Why fused: the backend's fp8 write is ~10 small torch kernels per
-  layer (cast, divide, clamp, cast, index_put for each of K and V); on the H200 FP8 KV cost 26B-A4B NVFP4 decode
-  0.75 ms per batch-1 step through them (12-01f: TPOT 4.23 ms with an fp8 cache vs 3.48 ms with bf16).
+  the activation dtype and stored as ``clamp(x * fp8_inv_scale(scale), -448, 448)`` in e4m3 (round to nearest
+  even): the backend's ``write_kv`` sequence, bit for bit under the interpreter; on the H200 bit for bit at 1 and
+  4 tokens, with differing bytes at 64 and 4096 (12-01f call 6; see test_gpu_qkv_norm_rope_31b). Why fused: the
+  backend's fp8 write is ~10 small torch kernels per layer (cast, divide, clamp, cast, index_put for each of K and
+  V); on the H200 they cost 26B-A4B NVFP4 decode 0.75 ms per batch-1 step (12-01f: TPOT 4.23 ms with an fp8 cache
+  vs 3.48 ms with bf16; 3.60 ms with this kernel's fp8 write).
 
 fp32 math, one rounding to the output dtype. Unfused: norm (read + write), rope (read x + tables, write), v_norm
 (read + write) per tensor, then the KV write (read k and v, write them into the cache).
