@@ -339,7 +339,7 @@ def test_round_e4m3_is_torchs_cast_everywhere():
 @pytest.mark.parametrize("T", [1, 17])
 def test_qkv_norm_rope_fp8_cache_write_is_write_kv_bit_for_bit(dtype, sliding, k_eq_v, T):
     """A float8_e4m3fn cache with per-layer scales: the kernel's K/V bytes equal what the backend's write_kv stores
-    for the kernel's own k, v outputs (rounded to the activation dtype, clamp(x / scale), e4m3), at random slots of
+    for the kernel's own k, v outputs (rounded to the activation dtype, clamp(x * fp8_inv_scale), e4m3), at random slots of
     a poisoned cache, and nothing else changes. k_scale is small enough that some K values saturate at 448."""
     from perfkit.runtime.attention.torch_paged import write_kv
 

@@ -10,8 +10,8 @@ Format of one quantised [N, K] linear: ``weight`` float8_e4m3fn [N, K], ``weight
   ``quantize_input=False``), dequantise W, multiply in fp32.
 - :func:`fp8_per_tensor_scale`: ``amax / 448`` helper (e.g. for an FP8 KV cache's per-tensor scales).
 - :func:`quantize_fp8_per_tensor` / :func:`dequantize_fp8_per_tensor`: one fixed Python-float scale for a whole
-  tensor (the FP8 KV cache: ``stored = clamp(x * inv_scale, +-448)`` with ``inv_scale`` the fp32 reciprocal of
-  :func:`fp8_inv_scale`, ``x ~ float(stored) * scale``); graph-capturable.
+  tensor (the FP8 KV cache: ``stored = clamp(x * fp8_inv_scale(scale), +-448)``, ``x ~ float(stored) * scale``);
+  graph-capturable.
 """
 
 from __future__ import annotations

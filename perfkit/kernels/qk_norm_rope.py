@@ -55,7 +55,7 @@ class KVCacheTarget(NamedTuple):
     cache: torch.Tensor  # [num_pages, 2, page_size, kvh, hd]: the activation dtype or float8_e4m3fn
     slot_page: torch.Tensor  # [T] int64
     slot_offset: torch.Tensor  # [T] int64
-    k_scale: float = 1.0  # fp8 caches: stored = clamp(k / k_scale); ignored otherwise
+    k_scale: float = 1.0  # fp8 caches: stored = clamp(k * fp8_inv_scale(k_scale)); ignored otherwise
     v_scale: float = 1.0
 
 
@@ -160,8 +160,8 @@ def _round_e4m3(x):
 @triton.jit
 def _store_kv_halves(dst, heads, stride_h, d, half, y1, y2, m, inv_scale, act_ptr, FP8: tl.constexpr):
     """K or V rows into their destination; FP8: rounded to the activation dtype first, then clamp(x * inv_scale),
-    rounded to e4m3 (``write_kv``'s ``quantize_fp8_per_tensor(k.to(act))`` bit for bit; ``inv_scale`` is
-    ``fp8.fp8_inv_scale``).
+    rounded to e4m3: ``write_kv``'s ``quantize_fp8_per_tensor(k.to(act))`` (``inv_scale`` is ``fp8_inv_scale``; how
+    exactly it matches on which device: the module docstring).
     ``act_ptr``: any pointer of the activation dtype (a dtype itself cannot be passed to a jit function)."""
     if FP8:
         act_ty = act_ptr.dtype.element_ty
@@ -397,14 +397,16 @@ def qkv_norm_rope_split(
     if T == 0:
         return q, k, v
     HALF = triton.next_power_of_2(half)
+    fp8 = k_dst.dtype == torch.float8_e4m3fn
+    k_inv, v_inv = (fp8_inv_scale(k_scale), fp8_inv_scale(v_scale)) if fp8 else (1.0, 1.0)
     block_h = _qkv_block_h(T, NH, KVH, HALF, v_raw is None)
     n_blocks = triton.cdiv(NH, block_h) + triton.cdiv(KVH, block_h) * (1 if v_raw is None else 2)
     _qkv_norm_rope_kernel[(T, n_blocks)](
         q_raw, k_raw, v_src, q_weight, k_weight, cos, sin, q, k_dst, v_dst, slot_page, slot_offset,
         NH, KVH, half, q_raw.stride(0), q_raw.stride(1), k_raw.stride(0), k_raw.stride(1),
         v_src.stride(0), v_src.stride(1), cos.stride(0), sin.stride(0),
-        stride_dst_t, stride_page, stride_slot, stride_dst_h, float(eps), fp8_inv_scale(k_scale), fp8_inv_scale(v_scale),
-        K_EQ_V=v_raw is None, TO_CACHE=kv_cache is not None, FP8=k_dst.dtype == torch.float8_e4m3fn,
+        stride_dst_t, stride_page, stride_slot, stride_dst_h, float(eps), k_inv, v_inv,
+        K_EQ_V=v_raw is None, TO_CACHE=kv_cache is not None, FP8=fp8,
         BLOCK_H=block_h, HALF=HALF,
         num_warps=max(1, min(8, block_h * HALF // 256)),
     )  # fmt: skip

@@ -37,7 +37,7 @@ class AttentionBackend(Protocol):
         """Where the caller may write this step's K/V rows itself (the fused qkv kernel writes them straight into
         the paged cache, saving the backend's scatter): (cache [num_pages, 2, page_size, kvh, hd], slot_page [T],
         slot_offset [T] int64 device tensors of the current step's metadata, k_scale, v_scale). An fp8 cache
-        stores clamp(x / scale) in e4m3 (``write_kv``'s rule); other caches ignore the scales (1.0). None when
+        stores clamp(x * fp8_inv_scale(scale)) in e4m3 (``write_kv``'s rule); other caches ignore the scales. None when
         the layer writes no KV or the backend has no paged cache. The caller must also check that cache.dtype
         is its K/V dtype or fp8.
         The slot tensors are those the metadata points at (CUDA graphs: static buffers refilled before every
