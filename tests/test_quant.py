@@ -336,14 +336,16 @@ def test_w4a16_gemv_wide_falls_back_to_narrow(monkeypatch):
 
 def test_w4a16_pick_config_wide_by_grid(monkeypatch):
     """M = 1 with bf16 x and a known grid: the narrow tile below GEMV_WIDE_MIN_PROGRAMS_PER_SM programs of 16 rows
-    per SM, the 1024-wide 8-warp tile up to GEMV_WIDE_DEEP_PROGRAMS_PER_SM, then the 512-wide one (the 31B and
-    26B-A4B shapes on 132 SMs as measured); everything else keeps its tile."""
+    per SM, the 1024-wide 8-warp tile up to GEMV_WIDE_DEEP_PROGRAMS_PER_SM, the 256-wide one up to
+    GEMV_WIDE_SHORT_PROGRAMS_PER_SM, then the 512-wide one (the 31B and 26B-A4B shapes on 132 SMs as measured);
+    everything else keeps its tile."""
     import perfkit.kernels.w4a16_gemm as wk
 
     monkeypatch.setattr(wk, "interpreting", lambda: False)
     assert pick_config(1, "gemv", torch.bfloat16, 2816, 132) is wk.GEMV_CONFIG
     assert pick_config(1, "gemv", torch.bfloat16, 5376, 132) is wk.GEMV_WIDE_DEEP_CONFIG
-    assert pick_config(1, "gemv", torch.bfloat16, 16384, 132) is wk.GEMV_WIDE_CONFIG
+    assert pick_config(1, "gemv", torch.bfloat16, 16384, 132) is wk.GEMV_WIDE_SHORT_CONFIG
+    assert pick_config(1, "gemv", torch.bfloat16, 18432, 132) is wk.GEMV_WIDE_SHORT_CONFIG  # 31B full-layer qkv
     assert pick_config(1, "gemv", torch.bfloat16, 43008, 132) is wk.GEMV_WIDE_CONFIG
     assert pick_config(1, "gemv", torch.float16, 43008, 132) is wk.GEMV_CONFIG
     assert pick_config(1, "gemv") is wk.GEMV_CONFIG  # no grid known

@@ -684,11 +684,16 @@ GEMV_CONFIG = W4A16Config(block_m=4, block_n=4, block_k=512, num_warps=4, num_st
 # 69.3 us, 512 x 4 warps), 16384 x 5376 55.4 -> 61.3 %, 5376 x 16384 55.9 -> 59.2 %. Below
 # GEMV_WIDE_MIN_PROGRAMS_PER_SM programs of 16 rows per SM (the 26B-A4B's 2816-row projections) the narrow
 # GEMV_CONFIG stays ahead (8.9 vs 10.3 us at 2816 x 2048); up to GEMV_WIDE_DEEP_PROGRAMS_PER_SM the 1024-wide
-# 8-warp steps win (few rows, long K), beyond them 512 x 4 warps.
+# 8-warp steps win (few rows, long K); up to GEMV_WIDE_SHORT_PROGRAMS_PER_SM 256-wide steps on 4 warps (16384 x
+# 5376, 7.8 per SM on 132 SMs: 33.2 vs 35.3 us = 65.0 vs 61.3 %, in both the call-5 sweep and the call-6 tile
+# pass); beyond them 512 x 4 warps (43008 x 5376, 20 per SM: 69.2 us, 256 x 2 warps 70.6). The 31B's full-layer
+# qkv (18432 x 5376, 8.7 per SM) falls in the 256-wide tier without having been timed there.
 GEMV_WIDE_CONFIG = W4A16Config(block_m=1, block_n=16, block_k=512, num_warps=4, num_stages=1, prefetch=2, wide=True)
 GEMV_WIDE_DEEP_CONFIG = W4A16Config(1, 16, 1024, num_warps=8, num_stages=1, prefetch=2, wide=True)
+GEMV_WIDE_SHORT_CONFIG = W4A16Config(1, 16, 256, num_warps=4, num_stages=1, prefetch=2, wide=True)
 GEMV_WIDE_MIN_PROGRAMS_PER_SM = 2
 GEMV_WIDE_DEEP_PROGRAMS_PER_SM = 4
+GEMV_WIDE_SHORT_PROGRAMS_PER_SM = 12
 DOT_TINY_CONFIG = W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 DOT_SMALL_CONFIG = W4A16Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
 DOT_LARGE_CONFIG = W4A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
@@ -726,7 +731,9 @@ def pick_config(
         per_sm = triton.cdiv(N, GEMV_WIDE_CONFIG.block_n) / sms
         if per_sm < GEMV_WIDE_MIN_PROGRAMS_PER_SM:
             return GEMV_CONFIG
-        return GEMV_WIDE_DEEP_CONFIG if per_sm <= GEMV_WIDE_DEEP_PROGRAMS_PER_SM else GEMV_WIDE_CONFIG
+        if per_sm <= GEMV_WIDE_DEEP_PROGRAMS_PER_SM:
+            return GEMV_WIDE_DEEP_CONFIG
+        return GEMV_WIDE_SHORT_CONFIG if per_sm <= GEMV_WIDE_SHORT_PROGRAMS_PER_SM else GEMV_WIDE_CONFIG
     if path == "dequant_mm":
         return DEQUANT_CONFIG
     if dtype == torch.float32:
@@ -1274,7 +1281,7 @@ SWEEP_CONFIGS: dict[str, tuple[W4A16Config | None, ...]] = {
         GEMV_CONFIG,
         GEMV_WIDE_CONFIG,
         GEMV_WIDE_DEEP_CONFIG,
-        W4A16Config(block_m=1, block_n=16, block_k=256, num_warps=4, num_stages=1, prefetch=2, wide=True),
+        GEMV_WIDE_SHORT_CONFIG,
         W4A16Config(block_m=1, block_n=16, block_k=256, num_warps=2, num_stages=1, prefetch=2, wide=True),
         W4A16Config(block_m=4, block_n=8, block_k=512, num_warps=4, num_stages=1),
         W4A16Config(block_m=4, block_n=16, block_k=512, num_warps=4, num_stages=1),
