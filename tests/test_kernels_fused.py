@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from perfkit.kernels import moe
+from perfkit.kernels.fp8 import fp8_inv_scale
 from perfkit.kernels.gelu_mul import gelu_mul, gelu_mul_cat, gelu_mul_ref, gelu_mul_traffic
 from perfkit.kernels.moe import (
     MOE_GATHER_MAX_PAIRS,
@@ -709,6 +710,14 @@ def test_gpu_qkv_norm_rope_31b(T, sliding):
     print(
         f"fp8 cache bytes differing: {int(diff.sum())} of {2 * T * kvh * a['head_dim']}, codes {codes.unique().tolist()}"
     )
+    for page, plane, slot, head, dim in diff.nonzero()[:8].tolist():  # what the next GPU run should tell us
+        t = int(((slot_page == page) & (slot_offset == slot)).nonzero()[0, 0])
+        src, inv = (k, fp8_inv_scale(0.0041)) if plane == 0 else (v, fp8_inv_scale(0.0173))
+        x = src[t, head, dim].float().item()
+        got, exp = f8[page, plane, slot, head, dim].float().item(), want[page, plane, slot, head, dim].float().item()
+        print(
+            f"  plane {plane} token {t} head {head} dim {dim}: bf16 {x!r} x inv {x * inv!r} -> kernel {got}, write_kv {exp}"
+        )
     assert diff.sum() <= max(1, 1e-4 * 2 * T * kvh * a["head_dim"]) and bool((codes.abs() == 1).all())
 
 
