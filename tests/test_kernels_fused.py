@@ -534,6 +534,31 @@ def test_fused_moe_dispatch(monkeypatch):
 # --------------------------------------------------------------------------------------------------------------
 
 
+def test_quantised_moe_sweep_flow_on_cpu(monkeypatch):
+    """The GPU sweep of quantised experts (``python3 -m perfkit.kernels.moe --sweep --quant nvfp4``) at toy shapes
+    on CPU, timers stubbed: NVFP4 times sorted and gather per T, FP8 sorted only; each row correct against the
+    reference on the dequantised weights, with its bound; ``quantize_experts`` gives gate and up their own global
+    scale, as ``QuantizedExperts.from_experts`` stores them."""
+    import io
+    import json
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
+    shape = dict(E=4, H=64, I=32, K=2, device=DEVICE)
+    out = io.StringIO()
+    rows = moe.quant_sweep((1, 3), "nvfp4", file=out, **shape)
+    assert [(r["T"], r["path"]) for r in rows] == [(1, "sorted"), (1, "gather"), (3, "sorted"), (3, "gather")]
+    assert [json.loads(line) for line in out.getvalue().splitlines()] == json.loads(json.dumps(rows))
+    assert all(r["rel_err_vs_ref"] < 2e-2 and r["bound_ms"] > 0 and r["graph_ms"] == 1.0 for r in rows)
+    assert all(r["gather_worst_bound_ms"] >= r["bound_ms"] for r in rows if r["path"] == "gather")
+    fp8 = moe.quant_sweep((2,), "fp8", file=io.StringIO(), **shape)
+    assert [r["path"] for r in fp8] == ["sorted"] and fp8[0]["rel_err_vs_ref"] < 2e-2
+    gu, dn = moe.quantize_experts(torch.randn(2, 64, 32) * torch.tensor([1.0] * 32 + [8.0] * 32)[None, :, None],
+                                  torch.randn(2, 32, 32), "nvfp4")  # fmt: skip
+    assert gu.row_scale[:, 0].ne(gu.row_scale[:, 32]).all() and dn.row_scale.eq(dn.row_scale[:, :1]).all()
+    with pytest.raises(ValueError, match="fmt"):
+        moe.quantize_experts(torch.randn(1, 4, 16), torch.randn(1, 16, 2), "int4")
+
+
 def test_traffic_formulas():
     assert rmsnorm_traffic(4, 8) == {"bytes_read": 80, "bytes_written": 64, "total_bytes": 144, "flops": 128}
     t = rmsnorm_traffic(4, 8, residual=True)

@@ -82,6 +82,7 @@ import torch
 import triton
 import triton.language as tl
 
+from perfkit.kernels.fp8 import quantize_fp8_rowwise
 from perfkit.kernels.launch import interpreting
 from perfkit.kernels.timing import graph_ms
 from perfkit.kernels.w4a16_gemm import (
@@ -96,6 +97,7 @@ from perfkit.kernels.w4a16_gemm import (
     _wide_x,
     _words,
     dequantize_nvfp4,
+    quantize_nvfp4,
 )
 
 HBM_BYTES_PER_S = 4.3e12  # achievable H200 DRAM bandwidth used for "% of bound" (as in w4a16_gemm)
@@ -738,6 +740,30 @@ class QuantExpertWeights:
         return self.values.float() * self.row_scale[..., None]
 
 
+def quantize_experts(
+    gate_up: torch.Tensor, down: torch.Tensor, fmt: str
+) -> tuple[QuantExpertWeights, QuantExpertWeights]:
+    """gate_up [E, 2I, H] (gate rows first) and down [E, H, I] -> the grouped kernels' formats. NVFP4: gate and up
+    get their own global scale (as separate checkpoint tensors would), stored per row; down one per expert. FP8:
+    one scale per row (output channel)."""
+    E, two_i, H = gate_up.shape
+    inter = two_i // 2
+    if fmt == "nvfp4":
+        q, s, gs = quantize_nvfp4(gate_up.reshape(E, 2, inter, H))  # gs [E, 2]
+        gs_rows = gs[:, :, None].expand(E, 2, inter).reshape(E, two_i).contiguous()
+        gu = QuantExpertWeights("nvfp4", q.view(E, two_i, H // 2), s.view(E, two_i, H // 16), gs_rows)
+        q, s, gs = quantize_nvfp4(down)  # gs [E]
+        return gu, QuantExpertWeights("nvfp4", q, s, gs[:, None].expand(E, H).contiguous())
+    if fmt == "fp8":
+        return QuantExpertWeights("fp8", *_fp8_rows(gate_up)), QuantExpertWeights("fp8", *_fp8_rows(down))
+    raise ValueError(f"fmt {fmt!r} must be one of {', '.join(QUANT_EXPERT_FORMATS)}")
+
+
+def _fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:
+    q, scale = quantize_fp8_rowwise(w)
+    return q, None, scale
+
+
 def _moe_gemm_q(
     a: torch.Tensor,
     wq: QuantExpertWeights,
@@ -1004,6 +1030,7 @@ GATHER_VARIANTS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "wide": ({"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 8}, {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 8}),
 }
 SWEEP_TOKENS = (1, 2, 4, 8, 16, 64)
+QUANT_SWEEP_TOKENS = (1, 2, 4, 8, 16)  # up to and past gather_max_rows (64 pairs at top-8)
 
 
 def bench_fused_moe(
@@ -1061,9 +1088,8 @@ def bench_fused_moe(
         "achieved_tb_s": t["total_bytes"] / ms / 1e9,
         "rel_err_vs_ref": rel,
     }
-    if chosen == "gather":  # worst case: every pair's expert from DRAM (no L2 reuse between pairs)
-        worst = t["total_bytes"] - t["weight_bytes"] + t["gather_weight_bytes"]
-        res["gather_worst_bound_ms"] = worst / HBM_BYTES_PER_S * 1e3
+    if chosen == "gather":
+        res["gather_worst_bound_ms"] = _gather_worst_bound_ms(t)
         ti, tw = idx.reshape(-1).contiguous(), w.reshape(-1).contiguous()
         t1 = _gather_tiles(GATHER_GATE_UP_TILES, gate_up_tiles, I, H)
         t2 = _gather_tiles(GATHER_DOWN_TILES, down_tiles, H, I)
@@ -1075,6 +1101,78 @@ def bench_fused_moe(
         res["gate_up_bound_ms"] = (a * 2 * I * H * elt + tok_b + act_b) / HBM_BYTES_PER_S * 1e3
         res["down_bound_ms"] = (a * I * H * elt + act_b + tok_b) / HBM_BYTES_PER_S * 1e3
     return res
+
+
+def _gather_worst_bound_ms(traffic: dict[str, int]) -> float:
+    """The gather path's bound if no pair reuses another's expert weights from L2 (every pair from DRAM)."""
+    worst = traffic["total_bytes"] - traffic["weight_bytes"] + traffic["gather_weight_bytes"]
+    return worst / HBM_BYTES_PER_S * 1e3
+
+
+def bench_fused_moe_quantized(
+    T: int,
+    path: str = "sorted",
+    fmt: str = "nvfp4",
+    E: int = 128,
+    H: int = 2816,
+    I: int = 704,  # noqa: E741 (the intermediate size, as in the model config)
+    K: int = 8,
+    seed: int = 0,
+    device: str = "cuda",
+) -> dict:
+    """GPU timing of one quantised MoE layer (:func:`fused_moe_quantized` on ``path``, random weights quantised as
+    the runtime does with :func:`quantize_experts`, bf16 x, softmax top-K routing of random logits; default the
+    26B-A4B shapes): CUDA-graph median (L2 flushed), the bound of the path's minimum traffic (each distinct active
+    expert read once) and the % of it reached; gather path: also the bound if every pair reads its expert from
+    DRAM; the error against the fp32 reference on the dequantised weights. Why: the gather path reads an expert
+    once per routed pair (L2 may serve the repeats), the sorted path once per expert, so where they cross decides
+    ``QuantizedExperts.gather_max_rows``."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("bench_fused_moe_quantized needs CUDA")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(T, H, device=device, generator=gen).to(torch.bfloat16)
+    gate_up = torch.randn(E, 2 * I, H, device=device, generator=gen).mul_(0.05)
+    gu, dn = quantize_experts(gate_up, torch.randn(E, H, I, device=device, generator=gen).mul_(0.05), fmt)
+    del gate_up
+    w, idx = moe_routing(torch.randn(T, E, device=device, generator=gen), K, torch.ones(E, device=device))
+
+    def fn():
+        return fused_moe_quantized(x, gu, dn, w, idx, path=path)
+
+    out, ref = fn().float(), fused_moe_ref(x.float(), gu.dequantize(), dn.dequantize(), w, idx)
+    g_ms = graph_ms(fn)
+    a = idx.unique().numel()
+    t = fused_moe_traffic(T, H, I, E, K, x.element_size(), active_experts=a, path=path, weight_format=fmt)
+    bound = t["total_bytes"] / HBM_BYTES_PER_S * 1e3
+    res = {
+        "T": T,
+        "K": K,
+        "pairs": T * K,
+        "fmt": fmt,
+        "path": path,
+        "active_experts": a,
+        "graph_ms": g_ms,
+        "bound_ms": bound,
+        "graph_pct_of_bound": 100.0 * bound / g_ms,
+        "achieved_tb_s": t["total_bytes"] / g_ms / 1e9,
+        "rel_err_vs_ref": ((out - ref).norm() / ref.norm()).item(),
+    }
+    if path == "gather":
+        res["gather_worst_bound_ms"] = _gather_worst_bound_ms(t)
+    return res
+
+
+def quant_sweep(tokens: tuple[int, ...] = QUANT_SWEEP_TOKENS, fmt: str = "nvfp4", file=None, **shape) -> list[dict]:
+    """One JSON line per (T, path) of :func:`bench_fused_moe_quantized`: sorted always, gather for NVFP4 (the only
+    format it serves); ``shape``: E, H, I, K, device (the CPU smoke test)."""
+    file = file or sys.stdout
+    rows = []
+    for T in tokens:
+        for path in ("sorted", "gather") if fmt == "nvfp4" else ("sorted",):
+            r = bench_fused_moe_quantized(T, path, fmt, **shape)
+            rows.append(r)
+            print(json.dumps(r), file=file, flush=True)
+    return rows
 
 
 def sweep(tokens: tuple[int, ...] = SWEEP_TOKENS, file=None) -> list[dict]:
@@ -1126,7 +1224,11 @@ def _main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m perfkit.kernels.moe", description="fused MoE kernel sweep")
     ap.add_argument("--sweep", action="store_true", help="time both paths and the gather tile variants (CUDA)")
     ap.add_argument("--tiles", action="store_true", help="time each gather kernel over a grid of tiles (CUDA)")
-    ap.add_argument("--tokens", default=",".join(map(str, SWEEP_TOKENS)), help="comma-separated batch sizes T")
+    ap.add_argument("--tokens", default=None, help="comma-separated batch sizes T")
+    ap.add_argument(
+        "--quant", choices=QUANT_EXPERT_FORMATS, default=None,
+        help="with --sweep: quantised experts (sorted vs gather for nvfp4) instead of bf16",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.tiles and torch.cuda.is_available():
         tile_sweep()
@@ -1137,8 +1239,15 @@ def _main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("the sweep needs a CUDA GPU", file=sys.stderr)
         return 2
-    sweep(tuple(int(t) for t in args.tokens.split(",")))
+    if args.quant:
+        quant_sweep(_tokens(args.tokens, QUANT_SWEEP_TOKENS), args.quant)
+    else:
+        sweep(_tokens(args.tokens, SWEEP_TOKENS))
     return 0
+
+
+def _tokens(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
+    return default if text is None else tuple(int(t) for t in text.split(","))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ from perfkit.kernels.fp8 import (
 )
 from perfkit.kernels.fp8_gemv import FP8_GEMV_MAX_M, fp8_gemv
 from perfkit.kernels.launch import interpreting
-from perfkit.kernels.moe import QuantExpertWeights, fused_moe_quantized, gather_w4a16_fits
+from perfkit.kernels.moe import QuantExpertWeights, fused_moe_quantized, gather_w4a16_fits, quantize_experts
 from perfkit.kernels.w4a16_gemm import (
     dequantize_nvfp4,
     quantize_nvfp4,
@@ -340,17 +340,13 @@ class QuantizedExperts(nn.Module):
         E, two_i, H = gu.shape
         Im = two_i // 2
         m = cls(scheme, E, H, Im, device=gu.device)
-        if scheme == "nvfp4":
-            # gate and up get their own global scale (as separate checkpoint tensors would), stored per row
-            q, s, gs = quantize_nvfp4(gu.view(E, 2, Im, H))  # gs [E, 2]
-            m.gate_up_proj, m.gate_up_proj_weight_scale = q.view(E, two_i, H // 2), s.view(E, two_i, H // 16)
-            m.gate_up_proj_weight_scale_2 = gs[:, :, None].expand(E, 2, Im).reshape(E, two_i).contiguous()
-            q, s, gs = quantize_nvfp4(dn)  # gs [E]
-            m.down_proj, m.down_proj_weight_scale = q, s
-            m.down_proj_weight_scale_2 = gs[:, None].expand(E, H).contiguous()
-        else:
-            m.gate_up_proj, m.gate_up_proj_weight_scale = quantize_fp8_rowwise(gu)
-            m.down_proj, m.down_proj_weight_scale = quantize_fp8_rowwise(dn)
+        for name, wq in zip(("gate_up_proj", "down_proj"), quantize_experts(gu, dn, scheme), strict=True):
+            setattr(m, name, wq.values)  # the inverse of quant_weights
+            if scheme == "nvfp4":
+                setattr(m, f"{name}_weight_scale", wq.block_scale)
+                setattr(m, f"{name}_weight_scale_2", wq.row_scale)
+            else:
+                setattr(m, f"{name}_weight_scale", wq.row_scale)
         m.backend = expert_backend(scheme, gu.device)
         return m
 
