@@ -209,9 +209,6 @@ class Result(BaseModel):
 
 
 # --------------------------------------------------------------------------------------------------------------
-
-
-# --------------------------------------------------------------------------------------------------------------
 # Which model a scenario result ran (a suite may run several: `models:`)
 # --------------------------------------------------------------------------------------------------------------
 
@@ -249,6 +246,9 @@ def scenario_model(cfg: dict[str, Any], scenario: str, always: bool = False) -> 
     """'<model> <quant>' of a scenario ("31b-2/c1" -> "31b nvfp4"); None for a one-model suite unless ``always``."""
     m = scenario_model_config(cfg, scenario) if always or len(suite_models(cfg)) > 1 else {}
     return f"{model_text(m)} {m.get('quant') or '?'}" if m else None
+
+
+# --------------------------------------------------------------------------------------------------------------
 
 
 def make_run_id(config_name: str, label: str | None = None, now: float | None = None) -> str:

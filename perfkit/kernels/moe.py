@@ -1002,8 +1002,13 @@ def fused_moe_traffic(
     n = 3 * inter * hidden  # weight elements per expert
     per_expert = {None: n * elt_bytes, "nvfp4": n // 2 + n // 16 + 4 * 3 * inter, "fp8": n + 4 * 3 * inter}
     weights = a * per_expert[weight_format]
-    y_elt = 0 if chosen == "gather" and weight_format is None else 4 if chosen == "gather" else elt_bytes
-    y = P * hidden * y_elt  # per-pair outputs, written + read (none on the bf16 gather path)
+    if chosen == "sorted":
+        y_elt = elt_bytes  # per-pair outputs in x's dtype, summed by the launcher
+    elif weight_format is None:
+        y_elt = 0  # bf16 gather: the down kernel sums the K slots itself
+    else:
+        y_elt = 4  # NVFP4 gather: fp32 per-pair products, summed by torch
+    y = P * hidden * y_elt  # per-pair outputs, written + read
     read = weights + tokens * hidden * elt_bytes + P * inter * elt_bytes + y
     written = P * inter * elt_bytes + y + tokens * hidden * elt_bytes
     flops = 6 * P * hidden * inter + 10 * P * inter + 2 * P * hidden
