@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from perfkit.kernels import moe
-from perfkit.kernels.fp8 import fp8_inv_scale
 from perfkit.kernels.gelu_mul import gelu_mul, gelu_mul_cat, gelu_mul_ref, gelu_mul_traffic
 from perfkit.kernels.moe import (
     MOE_GATHER_MAX_PAIRS,
@@ -719,31 +718,16 @@ def test_gpu_qkv_norm_rope_31b(T, sliding):
     q2, _, _ = qkv_norm_rope(qkv, **a, eps=EPS, k_eq_v=k_eq_v, kv_cache=(cache, slot_page, slot_offset))
     assert torch.equal(q2, q)
     _check_cache_write(cache, before, slot_page, slot_offset, k, v)
-    # an fp8 cache (FP8 KV) vs the bytes write_kv stores for the bf16 k, v above. On the H200 (12-01f call 6) they
-    # were equal at T = 1 and 4 but not at 64 and 4096 (the count and size of the differences were not recorded).
-    # A guess, not checked: ptxas may contract the RoPE's mul.f32 / add.f32 into FMAs differently in the fp8
-    # variant, so its fp32 k differs by an ulp and, rarely, rounds to another bf16 and e4m3 value. Held here to
-    # what that guess allows: at most 1e-4 of the bytes differ, each by one e4m3 step.
+    # an fp8 cache (FP8 KV): the bytes write_kv stores for the bf16 k, v above. On the H200 (12-01f call 6, 12-01g
+    # call 1) 2-166 bytes differed at T = 64 and 4096, each a negative that rounds to zero: the kernel stored +0,
+    # write_kv -0 (the sign fix in _round_e4m3).
     from perfkit.runtime.attention.torch_paged import write_kv
 
     f8 = torch.zeros(cache.shape, dtype=torch.float8_e4m3fn, device=DEVICE)
     want = f8.clone()
     qkv_norm_rope(qkv, **a, eps=EPS, k_eq_v=k_eq_v, kv_cache=(f8, slot_page, slot_offset, 0.0041, 0.0173))
     write_kv(want, slot_page, slot_offset, k, v, 0.0041, 0.0173)
-    diff = f8.view(torch.uint8) != want.view(torch.uint8)
-    codes = (f8.view(torch.uint8).int() - want.view(torch.uint8).int())[diff]  # same sign: adjacent codes differ by 1
-    print(
-        f"fp8 cache bytes differing: {int(diff.sum())} of {2 * T * kvh * a['head_dim']}, codes {codes.unique().tolist()}"
-    )
-    for page, plane, slot, head, dim in diff.nonzero()[:8].tolist():  # what the next GPU run should tell us
-        t = int(((slot_page == page) & (slot_offset == slot)).nonzero()[0, 0])
-        src, inv = (k, fp8_inv_scale(0.0041)) if plane == 0 else (v, fp8_inv_scale(0.0173))
-        x = src[t, head, dim].float().item()
-        got, exp = f8[page, plane, slot, head, dim].float().item(), want[page, plane, slot, head, dim].float().item()
-        print(
-            f"  plane {plane} token {t} head {head} dim {dim}: bf16 {x!r} x inv {x * inv!r} -> kernel {got}, write_kv {exp}"
-        )
-    assert diff.sum() <= max(1, 1e-4 * 2 * T * kvh * a["head_dim"]) and bool((codes.abs() == 1).all())
+    assert torch.equal(f8.view(torch.uint8), want.view(torch.uint8))
 
 
 @gpu

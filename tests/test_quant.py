@@ -739,8 +739,9 @@ def test_fused_moe_quantized_gather_path_matches_reference(T, H, inter, K):
 
 
 def test_quantized_experts_gather_kernels_switch(monkeypatch):
-    """QuantizedExperts.gather_kernels routes decode-sized NVFP4 batches through the gather kernels (bf16 x only;
-    fp32 x keeps the gemv gather), with the same result as the torch loop; on by default (the H200 A/B of 12-01f)."""
+    """QuantizedExperts.gather_kernels routes NVFP4 batches of up to gather_kernels_max_rows pairs through the
+    gather kernels (bf16 x only; fp32 x keeps the gemv gather), larger ones to the sorted GEMMs, with the same
+    result as the torch loop; on by default (the H200 A/B of 12-01f)."""
     import perfkit.runtime.quant as quant
 
     assert quant.QuantizedExperts.gather_kernels is True
@@ -757,8 +758,17 @@ def test_quantized_experts_gather_kernels_switch(monkeypatch):
     calls.clear()
     e(x, idx, w)  # fp32 x: the gemv gather
     assert calls == []
+    for T, path in ((40, "gather"), (129, None)):  # 80 pairs: above gather_max_rows; 258: above the kernels' 256
+        x = torch.randn(T, 64, generator=gen).to(torch.bfloat16)
+        w, idx = torch.topk(torch.randn(T, 5, generator=gen).softmax(-1), 2)
+        calls.clear()
+        assert rel(e(x, idx, w).float(), e.forward_sorted(x.float(), idx, w)) < 1.5e-2
+        assert calls == [path]  # None: the sorted grouped GEMMs
     monkeypatch.setattr(quant.QuantizedExperts, "gather_kernels", False)
-    assert rel(e(x.to(torch.bfloat16), idx, w).float(), want) < 1.5e-2  # moe_gather=gemv: the gemv gather
+    calls.clear()
+    x = torch.randn(2, 64, generator=gen)
+    w, idx = torch.topk(torch.randn(2, 5, generator=gen).softmax(-1), 2)
+    assert rel(e(x.to(torch.bfloat16), idx, w).float(), e.forward_sorted(x, idx, w)) < 1.5e-2  # the gemv gather
     assert calls == []
 
 
@@ -999,15 +1009,15 @@ def _assert_graph_replays_eager(fn) -> None:
 @gpu
 def test_gpu_nvfp4_gather_kernels_real_shapes_and_graph_capture(monkeypatch):
     """QuantizedExperts.gather_kernels on the GPU at 26B-A4B expert shapes (E 128, H 2816, I 704, top-8): the two
-    NVFP4 gather kernels against the fp32 reference and the gemv gather at T = 1 and 8, and replayed from a CUDA
-    graph bit for bit (they were written without device time; this test is what the next H200 session runs)."""
+    NVFP4 gather kernels against the fp32 reference and the gemv gather at T = 1, 8 and 32 (256 pairs,
+    gather_kernels_max_rows), and replayed from a CUDA graph bit for bit."""
     import perfkit.runtime.quant as quant
     from perfkit.kernels.moe import fused_moe_ref
 
     e = _quant_experts("nvfp4", 128, 2816, 704, seed=12, device="cuda")
     ref_w = e.quant_weights("gate_up_proj").dequantize(), e.quant_weights("down_proj").dequantize()
     gen = torch.Generator("cuda").manual_seed(13)
-    for T in (1, 8):
+    for T in (1, 8, 32):
         x = torch.randn(T, 2816, device="cuda", generator=gen).to(torch.bfloat16)
         w, idx = torch.topk(torch.randn(T, 128, device="cuda", generator=gen).softmax(-1), 8)
         monkeypatch.setattr(quant.QuantizedExperts, "gather_kernels", True)

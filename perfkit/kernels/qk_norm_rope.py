@@ -26,8 +26,8 @@ Two kernels:
   graph that captured the launch writes wherever the static slot buffers point at replay. The cache is of the
   activation dtype (bf16 / fp32) or float8_e4m3fn with per-layer K / V scales: then k and v are first rounded to
   the activation dtype and stored as ``clamp(x * fp8_inv_scale(scale), -448, 448)`` in e4m3 (round to nearest
-  even): the backend's ``write_kv`` sequence, bit for bit under the interpreter; on the H200 bit for bit at 1 and
-  4 tokens, with differing bytes at 64 and 4096 (12-01f call 6; see test_gpu_qkv_norm_rope_31b). Why fused: the
+  even): the backend's ``write_kv`` sequence, bit for bit under the interpreter and on the H200 (since 12-01g's
+  signed-zero fix in ``_round_e4m3``; test_gpu_qkv_norm_rope_31b at 1 to 4096 tokens). Why fused: the
   backend's fp8 write is ~10 small torch kernels per layer (cast, divide, clamp, cast, index_put for each of K and
   V); on the H200 they cost 26B-A4B NVFP4 decode 0.75 ms per batch-1 step (12-01f: TPOT 4.23 ms with an fp8 cache
   vs 3.48 ms with bf16; 3.60 ms with this kernel's fp8 write).
@@ -148,13 +148,15 @@ def _round_e4m3(x):
     (triton issue 8322: ties away from zero; a carry out of the mantissa dropped, 126.2 -> 64; subnormals rounded
     twice); the GPU's cvt.rn.satfinite has none, and with this rounding both give PyTorch's bytes. The spacing at
     x is 2^(e - 3) for x's exponent e (2^-9 below 2^-6, the subnormals); x / spacing < 16 is rounded to an integer
-    by the fp32 add of 1.5 x 2^23 (round to nearest even); the sign is put back from x's sign bit (-0 stays -0)."""
+    by the fp32 add of 1.5 x 2^23 (round to nearest even); the sign is put back as x's sign bit, OR-ed into the
+    bits (-0 stays -0). ``where(x < 0, -r, r)`` lost it on the GPU: compiled to ``FSEL R, -R, R``, it stored 0x00
+    for -0.0 and for every negative that rounds to zero, where PyTorch's cast stores 0x80 (H200, 12-01g)."""
     bits = x.to(tl.int32, bitcast=True)
     e = tl.maximum((bits >> 23) & 0xFF, 127 - 6)  # biased exponent, subnormals at 2^-6's
     step = ((e - 3) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127 - 3)
     inv_step = ((257 - e) << 23).to(tl.float32, bitcast=True)  # 1 / step, exact
-    r = ((tl.abs(x) * inv_step + 12582912.0) - 12582912.0) * step
-    return tl.where(bits < 0, -r, r)
+    r = ((tl.abs(x) * inv_step + 12582912.0) - 12582912.0) * step  # >= 0
+    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

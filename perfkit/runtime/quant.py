@@ -303,19 +303,24 @@ class QuantizedExperts(nn.Module):
     """Replacement for ``Gemma4Experts`` with quantised stacked weights; same forward signature
     ``(x [T, H], idx [T, K], w [T, K]) -> [T, H]``.
 
-    Backends (``expert_backend``): ``w4a16-triton`` (NVFP4) gathers the routed experts' weights through the
-    W4A16 gemv up to ``gather_max_rows`` pairs and runs the grouped, in-register-dequantising Triton GEMMs of
-    ``fused_moe_quantized`` above; ``fp8-triton`` runs those grouped GEMMs at every size. Both are sync-free, so
+    Backends (``expert_backend``): ``w4a16-triton`` (NVFP4) runs the two NVFP4 gather kernels up to
+    ``gather_kernels_max_rows`` pairs with bf16 x (else the W4A16 gemv gather up to ``gather_max_rows``) and the
+    grouped, in-register-dequantising Triton GEMMs of ``fused_moe_quantized`` above; ``fp8-triton`` runs those grouped GEMMs at every size. Both are sync-free, so
     decode graphs capture at every batch. (Until 12-01 the sorted side looped over the 128 experts with a host
     sync: 26B-A4B NVFP4 decode at c64 took 1.33 s per step and no graph above batch 8 captured.)
     ``w4a16-ref`` / ``fp8-dequant`` (CPU without the interpreter) dequantise in torch, a loop over the experts."""
 
     gather_max_rows = 64
-    # w4a16-triton at or below gather_max_rows pairs, bf16 x: the two NVFP4 gather kernels of
+    # w4a16-triton at or below gather_kernels_max_rows pairs, bf16 x: the two NVFP4 gather kernels of
     # ``fused_moe_quantized(path="gather")`` instead of the gemv + torch GeGLU + combine above. Set per model by the
     # toggle moe_gather (``Gemma4ForCausalLM.set_moe_gather``), default kernels since the H200 A/B of 12-01f
     # (configs/ab_moe_gather.yaml, 26B-A4B NVFP4: TPOT c1 4.07 -> 3.50 ms, c8 10.51 -> 7.48 ms)
     gather_kernels = True
+    # The gather kernels' own limit in pairs: where they stop beating the sorted grouped GEMMs. H200 sweep at
+    # 26B-A4B shapes (12-01g, docs/h200-runs/2026-12-01g/2-moe_quant_sweep_T.txt; one MoE layer, CUDA graph, L2
+    # flushed, gather vs sorted): T = 8 116 vs 263 us, 16 202 vs 368, 32 372 vs 489, 48 542 vs 530, 64 710 vs 542.
+    # 256 = T 32 at top-8, the largest measured T where gather still wins by a margin (24 %).
+    gather_kernels_max_rows = 256
 
     def __init__(self, scheme: str, E: int, H: int, Im: int, device: torch.device | str | None = None):
         super().__init__()
@@ -382,11 +387,12 @@ class QuantizedExperts(nn.Module):
         return (self._dequant(name, ids) @ x.float()[:, :, None])[:, :, 0].to(x.dtype)
 
     def forward(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
-        small = idx.numel() <= self.gather_max_rows
-        if small and self.backend == "w4a16-triton" and self.gather_kernels:
+        pairs = idx.numel()
+        if self.backend == "w4a16-triton" and self.gather_kernels and pairs <= self.gather_kernels_max_rows:
             gu = self.quant_weights("gate_up_proj")
             if gather_w4a16_fits(x, gu):
                 return fused_moe_quantized(x, gu, self.quant_weights("down_proj"), w, idx, path="gather")
+        small = pairs <= self.gather_max_rows
         if self.backend == "fp8-triton" or (self.backend == "w4a16-triton" and not small):
             return fused_moe_quantized(x, self.quant_weights("gate_up_proj"), self.quant_weights("down_proj"), w, idx)
         if small:
