@@ -47,11 +47,6 @@ import triton.language as tl
 from perfkit.kernels.fp8 import FP8_MAX, fp8_inv_scale, quantize_fp8_per_tensor
 
 _E4M3_MAX = tl.constexpr(FP8_MAX)  # float8_e4m3fn's largest finite value, for the kernels
-# The qkv kernel is compiled without mul+add -> FMA contraction: with it, ptxas contracted the norm / RoPE math
-# differently in the output and the cache-writing variants, so on the H200 their fp32 q (and so k) differed in
-# the last bit (12-01g call 3); without it each variant rounds every product and sum as written, the same bits.
-# The kernel moves bytes (a few FLOPs per element), so the extra FMUL/FADD cost nothing measurable (12-01g call 4).
-QKV_FP_FUSION = False
 
 
 class KVCacheTarget(NamedTuple):
@@ -415,7 +410,7 @@ def qkv_norm_rope_split(
         stride_dst_t, stride_page, stride_slot, stride_dst_h, float(eps), k_inv, v_inv,
         K_EQ_V=v_raw is None, TO_CACHE=kv_cache is not None, FP8=fp8,
         BLOCK_H=block_h, HALF=HALF,
-        num_warps=max(1, min(8, block_h * HALF // 256)), enable_fp_fusion=QKV_FP_FUSION,
+        num_warps=max(1, min(8, block_h * HALF // 256)),
     )  # fmt: skip
     return q, k, v
 
