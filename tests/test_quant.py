@@ -249,9 +249,9 @@ def test_w4a16_gemv_int64_x_is_bit_identical(monkeypatch):
     assert not wk._x64(torch.zeros(1, 33, dtype=torch.bfloat16)[:, 1:])  # 2-byte offset
     assert not wk._x64(torch.zeros(1, 32, dtype=torch.float16))
     E, N, K = 3, 24, 64
-    qe, se, ge = quantize_nvfp4(torch.randn(E, N, K) * 0.05)  # one global scale per expert: [E]
-    x = torch.randn(4, K).to(torch.bfloat16)
-    ids = torch.tensor([2, 0, 2, 1])
+    qe, se, ge = (t.to(DEVICE) for t in quantize_nvfp4(torch.randn(E, N, K) * 0.05))  # a global scale per expert
+    x = torch.randn(4, K).to(torch.bfloat16).to(DEVICE)
+    ids = torch.tensor([2, 0, 2, 1], device=DEVICE)
     wide = w4a16_gemm_gathered(x, qe, se, ge, ids, out_dtype=torch.float32)
     monkeypatch.setattr(wk, "GEMV_X64", False)
     assert torch.equal(wide, w4a16_gemm_gathered(x, qe, se, ge, ids, out_dtype=torch.float32))
@@ -323,8 +323,8 @@ def test_w4a16_gemv_wide_falls_back_to_narrow(monkeypatch):
     for x, q, s, gs in cases:
         out = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=WIDE, path="gemv")
         assert torch.equal(out, w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=narrow, path="gemv"))
-    qe, se, ge = quantize_nvfp4(torch.randn(3, 24, 64) * 0.05)
-    xe, ids = torch.randn(1, 64).to(torch.bfloat16), torch.tensor([1])
+    qe, se, ge = (t.to(DEVICE) for t in quantize_nvfp4(torch.randn(3, 24, 64) * 0.05))
+    xe, ids = torch.randn(1, 64).to(torch.bfloat16).to(DEVICE), torch.tensor([1], device=DEVICE)
     wide = w4a16_gemm_gathered(xe, qe, se, ge, ids, out_dtype=torch.float32, config=WIDE)
     assert torch.equal(wide, w4a16_gemm_gathered(xe, qe, se, ge, ids, out_dtype=torch.float32, config=narrow))
     assert calls == []
@@ -673,12 +673,19 @@ def test_moe_gather_toggle_reaches_the_quantised_experts():
         eng.set_toggle("moe_gather", "fast")
 
 
-def _quant_experts(scheme: str, E: int, H: int, inter: int, seed: int, device: str = "cpu") -> QuantizedExperts:
+def _quant_experts(scheme: str, E: int, H: int, inter: int, seed: int, device: str = DEVICE) -> QuantizedExperts:
     gen = torch.Generator().manual_seed(seed)
     experts = torch.nn.Module()
     experts.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * inter, H, generator=gen) * 0.05)
     experts.down_proj = torch.nn.Parameter(torch.randn(E, H, inter, generator=gen) * 0.05)
     return QuantizedExperts.from_experts(experts.to(device), scheme)
+
+
+def _routed(T: int, H: int, E: int, K: int, gen: torch.Generator, dtype=torch.float32):
+    """x [T, H] and a top-K routing over E experts (weights, ids), made on the host from ``gen``, on DEVICE."""
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    w, idx = torch.topk(torch.randn(T, E, generator=gen).softmax(-1), K)
+    return x.to(DEVICE), w.to(DEVICE), idx.to(DEVICE)
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "fp8"])
@@ -693,8 +700,7 @@ def test_fused_moe_quantized_matches_reference(scheme, dtype, T, block_m):
     E, H, inter, K = 6, 64, 48, 2
     e = _quant_experts(scheme, E, H, inter, seed=3)
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(T, H, generator=gen).to(dtype)
-    w, idx = torch.topk(torch.randn(T, E, generator=gen).softmax(-1), K)
+    x, w, idx = _routed(T, H, E, K, gen, dtype)
     gu, dn = e.quant_weights("gate_up_proj"), e.quant_weights("down_proj")
     y = fused_moe_quantized(x, gu, dn, w, idx, block_m=block_m)
     ref = fused_moe_ref(x.float(), gu.dequantize(), dn.dequantize(), w, idx)
@@ -716,8 +722,7 @@ def test_fused_moe_quantized_gather_path_matches_reference(T, H, inter, K):
     E = 5
     e = _quant_experts("nvfp4", E, H, inter, seed=7 + H)
     gen = torch.Generator().manual_seed(8)
-    x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
-    w, idx = torch.topk(torch.randn(T, E, generator=gen).softmax(-1), K)
+    x, w, idx = _routed(T, H, E, K, gen, torch.bfloat16)
     w[0, -1] = 0.0
     gu, dn = e.quant_weights("gate_up_proj"), e.quant_weights("down_proj")
     ref = fused_moe_ref(x.float(), gu.dequantize(), dn.dequantize(), w, idx)
@@ -750,8 +755,7 @@ def test_quantized_experts_gather_kernels_switch(monkeypatch):
     monkeypatch.setattr(quant, "fused_moe_quantized", lambda *a, **k: calls.append(k.get("path")) or real(*a, **k))
     e = _quant_experts("nvfp4", 5, 64, 32, seed=10)
     gen = torch.Generator().manual_seed(11)
-    x = torch.randn(2, 64, generator=gen)
-    w, idx = torch.topk(torch.randn(2, 5, generator=gen).softmax(-1), 2)
+    x, w, idx = _routed(2, 64, 5, 2, gen)
     want = e.forward_sorted(x.float(), idx, w)
     assert rel(e(x.to(torch.bfloat16), idx, w).float(), want) < 1.5e-2
     assert calls == ["gather"]
@@ -759,15 +763,13 @@ def test_quantized_experts_gather_kernels_switch(monkeypatch):
     e(x, idx, w)  # fp32 x: the gemv gather
     assert calls == []
     for T, path in ((40, "gather"), (129, None)):  # 80 pairs: above gather_max_rows; 258: above the kernels' 256
-        x = torch.randn(T, 64, generator=gen).to(torch.bfloat16)
-        w, idx = torch.topk(torch.randn(T, 5, generator=gen).softmax(-1), 2)
+        x, w, idx = _routed(T, 64, 5, 2, gen, torch.bfloat16)
         calls.clear()
         assert rel(e(x, idx, w).float(), e.forward_sorted(x.float(), idx, w)) < 1.5e-2
         assert calls == [path]  # None: the sorted grouped GEMMs
     monkeypatch.setattr(quant.QuantizedExperts, "gather_kernels", False)
     calls.clear()
-    x = torch.randn(2, 64, generator=gen)
-    w, idx = torch.topk(torch.randn(2, 5, generator=gen).softmax(-1), 2)
+    x, w, idx = _routed(2, 64, 5, 2, gen)
     assert rel(e(x.to(torch.bfloat16), idx, w).float(), e.forward_sorted(x, idx, w)) < 1.5e-2  # the gemv gather
     assert calls == []
 
@@ -785,8 +787,7 @@ def test_quantized_experts_backends_route_to_the_grouped_kernels(monkeypatch):
         assert e.backend == backend  # conftest runs the CPU suite under the interpreter
         gen = torch.Generator().manual_seed(2)
         for T in (2, 40):
-            x = torch.randn(T, 32, generator=gen)
-            w, idx = torch.topk(torch.randn(T, 5, generator=gen).softmax(-1), 2)
+            x, w, idx = _routed(T, 32, 5, 2, gen)
             calls.clear()
             torch.testing.assert_close(e(x, idx, w), e.forward_sorted(x, idx, w), atol=1e-5, rtol=1e-4)
             grouped = backend == "fp8-triton" or T * 2 > e.gather_max_rows
