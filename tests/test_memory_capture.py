@@ -151,6 +151,23 @@ def test_kernel_summary_busy_idle_and_ranking():
     assert s["by_kind_ms_per_step"] == pytest.approx({"gemm": 0.005, "attention": 0.005, "triton": 0.005})
     assert [t["kind"] for t in s["top"]] == ["gemm", "attention", "triton"]  # ties keep the sorted start order
     assert s["top"][0]["count"] == 1 and s["top"][0]["mean_us"] == pytest.approx(10.0)
+    assert s["idle_gaps"] == pytest.approx(
+        {"launch_gap_max_us": 5.0, "launch_gaps_per_step": 0.5, "launch_gap_ms_per_step": 0.0025,
+         "host_gaps_per_step": 0.0, "host_gap_ms_per_step": 0.0, "longest_gap_us": 5.0}
+    )  # fmt: skip
+
+
+def test_kernel_summary_splits_idle_into_launch_and_host_gaps():
+    """Back-to-back kernels 2 us apart (a graph's launch gaps) and one 400 us wait (the host): the idle time of
+    the window splits at LAUNCH_GAP_MAX_US, and the two parts add up to idle_ms_per_step."""
+    ks = [(f"k{i}", 12.0 * i, 12.0 * i + 10) for i in range(50)]  # 50 kernels of 10 us, 2 us gaps
+    ks += [(f"k{i}", 1000.0 + 12.0 * i, 1000.0 + 12.0 * i + 10) for i in range(50)]  # after a 402 us gap
+    s = kernel_summary(ks, steps=2)
+    g = s["idle_gaps"]
+    assert g["launch_gaps_per_step"] == 49 and g["launch_gap_ms_per_step"] == pytest.approx(0.098)
+    assert g["host_gaps_per_step"] == 0.5 and g["host_gap_ms_per_step"] == pytest.approx(0.201)
+    assert g["longest_gap_us"] == pytest.approx(402.0)
+    assert g["launch_gap_ms_per_step"] + g["host_gap_ms_per_step"] == pytest.approx(s["idle_ms_per_step"])
 
 
 def test_profile_window_cuda_kind_calls_profiler_api(tmp_path):

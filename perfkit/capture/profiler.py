@@ -34,7 +34,10 @@ ProfileKind = Literal["torch", "cuda", "python", "none"]
 # Triton kernels (plain Python names starting with "_").
 _KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("batchdecode", "batchprefill", "flashinfer", "mergestate", "merge_state")),
-    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "_w4a16", "_fp8", "_moe_gather", "matmul", "cublas")),
+    (
+        "gemm",
+        ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "_w4a16", "_fp8", "_moe_gather", "matmul", "cublas"),
+    ),
     ("copy", ("memcpy", "memset", "copy", "index", "gather", "scatter", "cat")),
 )
 
@@ -51,6 +54,14 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
+# Idle gaps up to this long between one kernel's end and the next one's start count as launch gaps: the device
+# running a CUDA graph or a full stream queue back to back, with the few microseconds each launch costs. Longer
+# ones are the device waiting on the host (a sync, plan(), Python between steps). A heuristic threshold, not a
+# hardware constant: it splits a window's idle time into "many tiny kernels" (fewer, fused kernels help) and
+# "host-bound" (host work or overlap helps).
+LAUNCH_GAP_MAX_US = 5.0
+
+
 def kernel_summary(kernels: Iterable[tuple[str, float, float]], steps: int, top: int = 25) -> dict[str, Any]:
     """Summary of the device activity of a profiler window. `kernels`: (name, start_us, end_us) per kernel or
     memcpy on the device timeline; `steps`: engine steps in the window.
@@ -58,20 +69,26 @@ def kernel_summary(kernels: Iterable[tuple[str, float, float]], steps: int, top:
     - `device_busy_ms`: union of the kernel intervals (overlaps counted once); `window_ms`: first start to last
       end; `busy_fraction` = busy / window: the rest is the device idling on the host (launch gaps, host work
       between steps, syncs). Per-step numbers divide by `steps`.
+    - `idle_gaps`: that idle time split at LAUNCH_GAP_MAX_US into launch gaps (count and ms per step) and host
+      gaps (count, ms per step, the longest in µs).
     - `by_kind`: total kernel ms per coarse kind (kernel_kind); `top`: the kernels with the most total time."""
     ks = sorted((float(s), float(e), n) for n, s, e in kernels)
     if not ks:
         return {"steps": steps, "kernels": 0, "note": "no device kernels recorded (CPU run or no CUDA activity)"}
     busy = 0.0
+    gaps: list[float] = []  # us between merged busy intervals
     cur_s, cur_e = ks[0][0], ks[0][1]
     for s, e, _ in ks[1:]:
         if s > cur_e:
             busy += cur_e - cur_s
+            gaps.append(s - cur_e)
             cur_s, cur_e = s, e
         else:
             cur_e = max(cur_e, e)
     busy += cur_e - cur_s
     window = max(e for _, e, _ in ks) - ks[0][0]
+    launch = [g for g in gaps if g <= LAUNCH_GAP_MAX_US]
+    host = [g for g in gaps if g > LAUNCH_GAP_MAX_US]
     per_name: dict[str, list[float]] = {}
     by_kind: dict[str, float] = {}
     for s, e, n in ks:
@@ -92,6 +109,14 @@ def kernel_summary(kernels: Iterable[tuple[str, float, float]], steps: int, top:
         "busy_fraction": busy / window if window > 0 else 1.0,
         "device_busy_ms_per_step": busy / 1e3 / n_steps,
         "idle_ms_per_step": (window - busy) / 1e3 / n_steps,
+        "idle_gaps": {
+            "launch_gap_max_us": LAUNCH_GAP_MAX_US,
+            "launch_gaps_per_step": len(launch) / n_steps,
+            "launch_gap_ms_per_step": sum(launch) / 1e3 / n_steps,
+            "host_gaps_per_step": len(host) / n_steps,
+            "host_gap_ms_per_step": sum(host) / 1e3 / n_steps,
+            "longest_gap_us": max(gaps, default=0.0),
+        },
         "by_kind_ms_per_step": {k: v / 1e3 / n_steps for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "top": [
             {"name": n[:160], "kind": kernel_kind(n), "count": int(c), "total_ms": t / 1e3, "mean_us": t / c}
@@ -225,8 +250,12 @@ def host_summary(stats: Any, steps: int, top: int = 30) -> dict[str, Any]:
         "steps": steps,
         "host_ms_per_step": total * 1e3 / n,
         "top": [
-            {"function": name[:160], "calls_per_step": nc / n, "cum_ms_per_step": cum * 1e3 / n,
-             "self_ms_per_step": tot * 1e3 / n}
+            {
+                "function": name[:160],
+                "calls_per_step": nc / n,
+                "cum_ms_per_step": cum * 1e3 / n,
+                "self_ms_per_step": tot * 1e3 / n,
+            }
             for cum, tot, nc, name in rows[:top]
         ],  # fmt: skip
     }
