@@ -27,12 +27,11 @@ Two kernels:
   activation dtype (bf16 / fp32) or float8_e4m3fn with per-layer K / V scales: then k and v are first rounded to
   the activation dtype and stored as ``clamp(x * fp8_inv_scale(scale), -448, 448)`` in e4m3 (round to nearest
   even): the backend's ``write_kv`` sequence, bit for bit under the interpreter and, with bf16 activations, on
-  the H200 (since 12-01g's signed-zero fix in ``_round_e4m3``; test_gpu_qkv_norm_rope_31b at 1 to 4096 tokens;
-  with fp32 activations a byte may be one code off there: test_qkv_norm_rope_fp8_cache_write_is_write_kv_bit_for_bit).
-  Why fused: the
-  backend's fp8 write is ~10 small torch kernels per layer (cast, divide, clamp, cast, index_put for each of K and
-  V); on the H200 they cost 26B-A4B NVFP4 decode 0.75 ms per batch-1 step (12-01f: TPOT 4.23 ms with an fp8 cache
-  vs 3.48 ms with bf16; 3.60 ms with this kernel's fp8 write).
+  the H200 (since 12-01g's signed-zero fix in ``_round_e4m3``; test_gpu_qkv_norm_rope_31b at 1 to 4096 tokens).
+  With fp32 activations a byte may be one code off there (test_qkv_norm_rope_fp8_cache_write_is_write_kv_bit_for_bit
+  says why). Why fused: the backend's fp8 write is ~10 small torch kernels per layer (cast, divide, clamp, cast,
+  index_put for each of K and V); on the H200 they cost 26B-A4B NVFP4 decode 0.75 ms per batch-1 step (12-01f:
+  TPOT 4.23 ms with an fp8 cache vs 3.48 ms with bf16; 3.60 ms with this kernel's fp8 write).
 
 fp32 math, one rounding to the output dtype. Unfused: norm (read + write), rope (read x + tables, write), v_norm
 (read + write) per tensor, then the KV write (read k and v, write them into the cache).

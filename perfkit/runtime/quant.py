@@ -305,9 +305,10 @@ class QuantizedExperts(nn.Module):
 
     Backends (``expert_backend``): ``w4a16-triton`` (NVFP4) runs the two NVFP4 gather kernels up to
     ``gather_kernels_max_rows`` pairs with bf16 x (else the W4A16 gemv gather up to ``gather_max_rows``) and the
-    grouped, in-register-dequantising Triton GEMMs of ``fused_moe_quantized`` above; ``fp8-triton`` runs those grouped GEMMs at every size. Both are sync-free, so
-    decode graphs capture at every batch. (Until 12-01 the sorted side looped over the 128 experts with a host
-    sync: 26B-A4B NVFP4 decode at c64 took 1.33 s per step and no graph above batch 8 captured.)
+    grouped, in-register-dequantising Triton GEMMs of ``fused_moe_quantized`` above; ``fp8-triton`` runs those
+    grouped GEMMs at every size. Both are sync-free, so decode graphs capture at every batch. (Until 12-01 the
+    sorted side looped over the 128 experts with a host sync: 26B-A4B NVFP4 decode at c64 took 1.33 s per step and
+    no graph above batch 8 captured.)
     ``w4a16-ref`` / ``fp8-dequant`` (CPU without the interpreter) dequantise in torch, a loop over the experts."""
 
     gather_max_rows = 64
