@@ -774,6 +774,35 @@ def test_quantized_experts_gather_kernels_switch(monkeypatch):
     assert calls == []
 
 
+def test_quantized_experts_keep_other_ranks_pairs_at_weight_zero_under_tp(monkeypatch):
+    """Expert parallelism over the Triton backends: tp._ExpertParallel passes every [T, K] pair to the kernels,
+    other ranks' at weight 0 (sync-free, graph-capturable), at any size; it used to drop them through a host sync
+    above 64 pairs. The half of the experts this rank holds gives the sum of those experts' pairs only."""
+    import perfkit.runtime.quant as quant
+    from perfkit.runtime.tp import TPInfo, _ExpertParallel, _swap_class
+
+    calls = []
+    real = quant.fused_moe_quantized
+    monkeypatch.setattr(quant, "fused_moe_quantized", lambda *a, **k: calls.append(tuple(a[4].shape)) or real(*a, **k))
+    for scheme in ("nvfp4", "fp8"):
+        full = _quant_experts(scheme, 4, 32, 16, seed=20)
+        part = _quant_experts(scheme, 4, 32, 16, seed=20)
+        assert full.fused and part.fused  # the interpreter's Triton backends
+        _swap_class(part, _ExpertParallel)
+        part.tp, part.tp_expert_start, part.tp_num_local_experts = TPInfo(rank=0, world_size=1), 0, 4
+        x, w, idx = _routed(40, 32, 4, 2, torch.Generator().manual_seed(21), torch.bfloat16)  # 80 pairs
+        calls.clear()
+        assert torch.equal(part(x, idx, w), full(x, idx, w))  # every expert local: the same kernels, same bits
+        assert calls == [(40, 2), (40, 2)]  # the [T, K] form both times, no [n, 1] rows after a nonzero()
+        part.tp_num_local_experts = 2  # experts 0, 1 here
+        mine = idx < 2
+        want = full(x, torch.where(mine, idx, 0), torch.where(mine, w, torch.zeros_like(w)))
+        assert torch.equal(part(x, idx, w), want)
+    ref = _quant_experts("fp8", 4, 32, 16, seed=20)
+    ref.backend = "fp8-dequant"
+    assert not ref.fused  # the torch loop syncs anyway: the TP wrapper drops other ranks' pairs
+
+
 def test_quantized_experts_backends_route_to_the_grouped_kernels(monkeypatch):
     """w4a16-triton: gemv gather up to gather_max_rows pairs, grouped kernels above; fp8-triton: grouped kernels
     at every size; both equal the torch loop (forward_sorted)."""

@@ -323,6 +323,13 @@ class QuantizedExperts(nn.Module):
     # 256 = T 32 at top-8, the largest measured T where gather still wins by a margin (24 %).
     gather_kernels_max_rows = 256
 
+    @property
+    def fused(self) -> bool:
+        """Sync-free at every batch size (the Triton backends). Read by ``tp._ExpertParallel``, as it reads
+        ``Gemma4Experts.fused``: another rank's pairs then stay in the batch at weight 0 instead of being dropped
+        through a host sync (``nonzero``), which no decode graph above 64 pairs could capture."""
+        return getattr(self, "backend", None) in ("w4a16-triton", "fp8-triton")
+
     def __init__(self, scheme: str, E: int, H: int, Im: int, device: torch.device | str | None = None):
         super().__init__()
         if scheme not in SCHEMES:
