@@ -567,6 +567,36 @@ def test_quantised_moe_sweep_flow_on_cpu(monkeypatch):
         moe.quantize_experts(torch.randn(1, 4, 16), torch.randn(1, 16, 2), "int4")
 
 
+def test_quant_tile_sweep_flow_on_cpu(monkeypatch):
+    """The sorted quantised GEMMs' tile sweep (``python3 -m perfkit.kernels.moe --tiles --quant nvfp4``) at toy
+    shapes on CPU, timers stubbed: one row per (stage, T, BLOCK_M, tile), each tile's output equal to the default
+    tiles' up to accumulation order, a positive bound; a tile that cannot run is recorded, not raised."""
+    import io
+    import json
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
+    grid = (
+        {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2},
+        {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4},
+    )
+    out = io.StringIO()
+    rows = moe.quant_tile_sweep((3,), "nvfp4", block_ms=(16,), grid=grid, file=out, E=4, H=64, I=32, K=2, device=DEVICE)
+    assert [(r["stage"], r["tiles"]["BLOCK_N"]) for r in rows] == [
+        ("gate_up", 16),
+        ("gate_up", 32),
+        ("down", 16),
+        ("down", 32),
+    ]
+    assert [json.loads(line) for line in out.getvalue().splitlines()] == json.loads(json.dumps(rows))
+    assert all(r["rel_err_vs_default"] < 1e-5 and r["pct_of_bound"] > 0 and r["graph_us"] == 1000.0 for r in rows)
+    bad = moe.quant_tile_sweep((3,), "fp8", block_ms=(16,), grid=({"BLOCK_N": 16, "BLOCK_K": 48, "num_warps": 4},),
+                               file=io.StringIO(), E=4, H=64, I=32, K=2, device=DEVICE)  # fmt: skip
+    assert "arange" in bad[0]["error"] and "graph_us" not in bad[0]  # gate_up: K 64, BLOCK_K 48 stays
+    assert "error" not in bad[1] and bad[1]["tiles"]["BLOCK_K"] == 32  # down: K 32 clips BLOCK_K to 32, it runs
+    with pytest.raises(ValueError, match="fmt"):
+        moe.quant_tile_sweep((3,), "int4", device=DEVICE)
+
+
 def test_traffic_formulas():
     assert rmsnorm_traffic(4, 8) == {"bytes_read": 80, "bytes_written": 64, "total_bytes": 144, "flops": 128}
     t = rmsnorm_traffic(4, 8, residual=True)

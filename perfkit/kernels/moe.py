@@ -1035,7 +1035,7 @@ GATHER_VARIANTS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "wide": ({"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 8}, {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 8}),
 }
 SWEEP_TOKENS = (1, 2, 4, 8, 16, 64)
-QUANT_SWEEP_TOKENS = (1, 2, 4, 8, 16)  # up to and past gather_max_rows (64 pairs at top-8)
+QUANT_SWEEP_TOKENS = (1, 2, 4, 8, 16, 32, 48, 64)  # past QuantizedExperts.gather_kernels_max_rows (T 32 at top-8)
 
 
 def bench_fused_moe(
@@ -1131,7 +1131,7 @@ def bench_fused_moe_quantized(
     expert read once) and the % of it reached; gather path: also the bound if every pair reads its expert from
     DRAM; the error against the fp32 reference on the dequantised weights. Why: the gather path reads an expert
     once per routed pair (L2 may serve the repeats), the sorted path once per expert, so where they cross decides
-    ``QuantizedExperts.gather_max_rows``."""
+    ``QuantizedExperts.gather_kernels_max_rows``."""
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("bench_fused_moe_quantized needs CUDA")
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -1177,6 +1177,79 @@ def quant_sweep(tokens: tuple[int, ...] = QUANT_SWEEP_TOKENS, fmt: str = "nvfp4"
             r = bench_fused_moe_quantized(T, path, fmt, **shape)
             rows.append(r)
             print(json.dumps(r), file=file, flush=True)
+    return rows
+
+
+# Tiles of the quantised sorted GEMMs timed by ``quant_tile_sweep`` (48 per kernel and BLOCK_M): the decode
+# default (``_tiles``: 16 rows, N 32 / 64, K 128, 4 warps, Triton's default stages) is in the grid.
+QUANT_TILE_GRID: tuple[dict[str, int], ...] = tuple(
+    {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st}
+    for n in (16, 32, 64, 128)
+    for k in (64, 128, 256)
+    for w in (4, 8)
+    for st in (2, 4)
+)
+
+
+def _quant_matrix_bytes(fmt: str, n: int, kd: int) -> int:
+    """Bytes of one expert's [n, kd] quantised matrix: e2m1 codes + an e4m3 scale per 16 + an fp32 row scale
+    (NVFP4), or e4m3 values + an fp32 row scale (FP8)."""
+    return n * kd // 2 + n * kd // 16 + 4 * n if fmt == "nvfp4" else n * kd + 4 * n
+
+
+def quant_tile_sweep(
+    tokens: tuple[int, ...] = (16, 64),
+    fmt: str = "nvfp4",
+    block_ms: tuple[int, ...] = (16, 32),
+    grid: tuple[dict[str, int], ...] = QUANT_TILE_GRID,
+    file=None,
+    E: int = 128,
+    H: int = 2816,
+    I: int = 704,  # noqa: E741 (the intermediate size, as in the model config)
+    K: int = 8,
+    seed: int = 0,
+    device: str = "cuda",
+) -> list[dict]:
+    """Each grouped GEMM of the quantised sorted path alone (gate_up with the GeGLU, down with the routing
+    weight) over BLOCK_M x ``grid`` at 26B-A4B shapes: one JSON line per (stage, T, tiles) with the CUDA-graph
+    median (L2 flushed), the % of the bound of its active experts' weight bytes at HBM_BYTES_PER_S and the
+    relative error against the default tiles' output, or the error of a tile that does not compile. Why: above ``QuantizedExperts.gather_kernels_max_rows`` decode runs
+    these GEMMs, at ~18 % of their bound with the default tiles (H200 12-01g), and ``_tiles`` was never swept."""
+    if fmt not in QUANT_EXPERT_FORMATS:
+        raise ValueError(f"fmt {fmt!r} must be one of {', '.join(QUANT_EXPERT_FORMATS)}")
+    file = file or sys.stdout
+    gen = torch.Generator(device=device).manual_seed(seed)
+    gate_up = torch.randn(E, 2 * I, H, device=device, generator=gen).mul_(0.05)
+    gu, dn = quantize_experts(gate_up, torch.randn(E, H, I, device=device, generator=gen).mul_(0.05), fmt)
+    del gate_up
+    rows = []
+    for T in tokens:
+        x = torch.randn(T, H, device=device, generator=gen).to(torch.bfloat16)
+        w, idx = moe_routing(torch.randn(T, E, device=device, generator=gen), K, torch.ones(E, device=device))
+        active = idx.unique().numel()
+        for bm in block_ms:
+            t1, t2, sorted_ids, block_expert, w_flat = _sorted_plan(w, idx, E, I, H, bm)
+            act = _moe_gemm_q(x, gu, torch.empty((T * K, I), dtype=x.dtype, device=device), I, sorted_ids,
+                              block_expert, w_flat, K, t1, "gate_up")  # fmt: skip
+            y = torch.empty((T * K, H), dtype=x.dtype, device=device)
+            ref_y = _moe_gemm_q(act, dn, torch.empty_like(y), H, sorted_ids, block_expert, w_flat, K, t2, "down")
+            stages = (("gate_up", x, gu, torch.empty_like(act), I, H, act), ("down", act, dn, y, H, I, ref_y))
+            for stage, a, wq, out, n, kd, want in stages:
+                bound_ms = active * _quant_matrix_bytes(fmt, wq.shape[1], kd) / HBM_BYTES_PER_S * 1e3
+                for tiles in grid:
+                    t = _fit(dict(tiles, BLOCK_M=bm), n, kd)
+                    r = {"stage": stage, "T": T, "fmt": fmt, "active_experts": active, "tiles": t}
+                    run = functools.partial(_moe_gemm_q, a, wq, out, n, sorted_ids, block_expert, w_flat, K, t, stage)
+                    try:
+                        ms = graph_ms(run)
+                    except Exception as exc:  # a tile that does not compile (shared memory, registers)
+                        r["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    else:  # out holds the last replay's result: against the default tiles' (accumulation order)
+                        err = ((out.float() - want.float()).norm() / want.float().norm()).item()
+                        r |= {"graph_us": round(ms * 1e3, 2), "pct_of_bound": 100.0 * bound_ms / ms,
+                              "rel_err_vs_default": err}  # fmt: skip
+                    rows.append(r)
+                    print(json.dumps(r), file=file, flush=True)
     return rows
 
 
@@ -1228,7 +1301,10 @@ def tile_sweep(tokens: tuple[int, ...] = (1, 8), file=None) -> list[dict]:
 def _main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m perfkit.kernels.moe", description="fused MoE kernel sweep")
     ap.add_argument("--sweep", action="store_true", help="time both paths and the gather tile variants (CUDA)")
-    ap.add_argument("--tiles", action="store_true", help="time each gather kernel over a grid of tiles (CUDA)")
+    ap.add_argument(
+        "--tiles", action="store_true",
+        help="time each gather kernel over a grid of tiles; with --quant: each sorted quantised GEMM (CUDA)",
+    )  # fmt: skip
     ap.add_argument("--tokens", default=None, help="comma-separated batch sizes T")
     ap.add_argument(
         "--quant", choices=QUANT_EXPERT_FORMATS, default=None,
@@ -1236,7 +1312,10 @@ def _main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     args = ap.parse_args(argv)
     if args.tiles and torch.cuda.is_available():
-        tile_sweep()
+        if args.quant:
+            quant_tile_sweep(_tokens(args.tokens, (16, 64)), args.quant)
+        else:
+            tile_sweep()
         return 0
     if not args.sweep:
         ap.print_help()
