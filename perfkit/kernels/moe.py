@@ -1213,8 +1213,9 @@ def quant_tile_sweep(
     """Each grouped GEMM of the quantised sorted path alone (gate_up with the GeGLU, down with the routing
     weight) over BLOCK_M x ``grid`` at 26B-A4B shapes: one JSON line per (stage, T, tiles) with the CUDA-graph
     median (L2 flushed), the % of the bound of its active experts' weight bytes at HBM_BYTES_PER_S and the
-    relative error against the default tiles' output, or the error of a tile that does not compile. Why: above ``QuantizedExperts.gather_kernels_max_rows`` decode runs
-    these GEMMs, at ~18 % of their bound with the default tiles (H200 12-01g), and ``_tiles`` was never swept."""
+    relative error against the default tiles' output, or the error of a tile that does not compile. Why: above
+    ``QuantizedExperts.gather_kernels_max_rows`` decode runs these GEMMs, at ~18 % of their bound with the default
+    tiles (H200 12-01g), and ``_tiles`` was never swept."""
     if fmt not in QUANT_EXPERT_FORMATS:
         raise ValueError(f"fmt {fmt!r} must be one of {', '.join(QUANT_EXPERT_FORMATS)}")
     file = file or sys.stdout
