@@ -42,18 +42,25 @@ THROUGHPUTS = ("output_tok_s", "total_tok_s", "request_s", "goodput_request_s")
 PER_GPU_THROUGHPUTS = ("output_tok_s_per_gpu", "total_tok_s_per_gpu")  # / tensor-parallel world size; higher
 MEMORY_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes")
 NVTX_FIELDS = tuple(f"{w}_{s}_ms" for w in ("host", "device") for s in ("mean", "p50", "p99", "total"))
+# From a torch profiler window (`runtime.profile`, capture.profiler.kernel_summary; the gaps from its idle_gaps):
+# where a step's device time goes, so an A/B that fuses kernels shows fewer kernels and less idle time. All lower.
+PROFILE_FIELDS = ("kernels_per_step", "device_busy_ms_per_step", "idle_ms_per_step")
+PROFILE_GAP_FIELDS = ("launch_gap_ms_per_step", "host_gap_ms_per_step")
 
 _METRIC_RE = re.compile(
     r"^(?:(?P<dist>ttft_ms|tpot_ms|itl_ms|e2el_ms|queue_ms|per_user_tok_s)\.(?P<stat>mean|p50|p90|p95|p99)"
     r"|(?P<tp>output_tok_s_per_gpu|total_tok_s_per_gpu|output_tok_s|total_tok_s|request_s|goodput_request_s)"
     r"|memory\.(?P<phase>[^.]+)\.(?P<mem>peak_allocated_bytes|peak_reserved_bytes)"
-    r"|nvtx\.(?P<range>.+)\.(?P<nv>(?:host|device)_(?:mean|p50|p99|total)_ms))$"
+    r"|nvtx\.(?P<range>.+)\.(?P<nv>(?:host|device)_(?:mean|p50|p99|total)_ms)"
+    r"|profile\.(?P<prof>kernels_per_step|device_busy_ms_per_step|idle_ms_per_step|launch_gap_ms_per_step"
+    r"|host_gap_ms_per_step))$"
 )
 METRIC_FORMS = (
     "<ttft|tpot|itl|e2el|queue>_ms.<mean|p50|p90|p95|p99>, per_user_tok_s.<stat>, output_tok_s, total_tok_s, request_s, "
     "output_tok_s_per_gpu, total_tok_s_per_gpu, "
     "goodput_request_s, memory.<phase>.<peak_allocated_bytes|peak_reserved_bytes>, "
-    "nvtx.<range>.<host|device>_<mean|p50|p99|total>_ms"
+    "nvtx.<range>.<host|device>_<mean|p50|p99|total>_ms, "
+    "profile.<kernels_per_step|device_busy_ms_per_step|idle_ms_per_step|launch_gap_ms_per_step|host_gap_ms_per_step>"
 )
 
 DEFINITIONS = (
@@ -156,7 +163,10 @@ class Report:
 
 
 def _direction(path: str) -> st.Direction:
-    """st.direction, plus the per-GPU throughputs (higher is better; their names do not end in _tok_s)."""
+    """st.direction, plus the per-GPU throughputs (higher is better; their names do not end in _tok_s) and the
+    profiler's per-step counts and times (lower)."""
+    if path.startswith("profile."):
+        return "lower"
     return "higher" if path in PER_GPU_THROUGHPUTS else st.direction(path)
 
 
@@ -186,6 +196,14 @@ def metric_label(path: str) -> tuple[str, str]:
     if m["mem"]:
         kind = "allocated" if "allocated" in m["mem"] else "reserved"
         return f"peak {kind} · {m['phase']}", "GiB"
+    if m["prof"]:
+        return {
+            "kernels_per_step": ("profile: kernels per step", "kernels"),
+            "device_busy_ms_per_step": ("profile: device busy per step", "ms"),
+            "idle_ms_per_step": ("profile: device idle per step", "ms"),
+            "launch_gap_ms_per_step": ("profile: launch gaps per step", "ms"),
+            "host_gap_ms_per_step": ("profile: host gaps per step", "ms"),
+        }[m["prof"]]
     where, stat = m["nv"][:-3].split("_")
     return f"NVTX {m['range']} {where} {stat}", "ms"
 
@@ -201,6 +219,9 @@ def _repeat_value(s: ScenarioResult, path: str) -> float | None:
     elif m["mem"]:
         if s.memory is not None and s.memory.available and m["phase"] in s.memory.phases:
             v = getattr(s.memory.phases[m["phase"]], m["mem"])
+    elif m["prof"]:
+        prof = s.runtime.get("profile") or {}
+        v = (prof.get("idle_gaps") or {}).get(m["prof"]) if m["prof"] in PROFILE_GAP_FIELDS else prof.get(m["prof"])
     else:
         r = s.nvtx.get(m["range"])
         v = getattr(r, m["nv"]) if r is not None else None
@@ -221,6 +242,10 @@ def available_metrics(s: ScenarioResult) -> list[str]:
         out += [f"memory.{ph}.{f}" for ph in s.memory.phases for f in MEMORY_FIELDS]
     for name, r in s.nvtx.items():
         out += [f"nvtx.{name}.{f}" for f in NVTX_FIELDS if getattr(r, f) is not None]
+    prof = s.runtime.get("profile") or {}
+    if prof.get("kernels"):  # a torch profiler window with device kernels (results before 12-01g: no idle_gaps)
+        out += [f"profile.{f}" for f in PROFILE_FIELDS if prof.get(f) is not None]
+        out += [f"profile.{f}" for f in PROFILE_GAP_FIELDS if (prof.get("idle_gaps") or {}).get(f) is not None]
     return out
 
 
@@ -232,6 +257,7 @@ def default_metrics(s: ScenarioResult) -> list[str]:
         out += [t for t in PER_GPU_THROUGHPUTS if t in have]
     out += [p for p in available_metrics(s) if p.startswith("memory.") and p.endswith("peak_allocated_bytes")]
     out += [p for p in available_metrics(s) if p.startswith("nvtx.") and p.endswith(("host_mean_ms", "device_mean_ms"))]
+    out += [p for p in available_metrics(s) if p.startswith("profile.")]
     return out
 
 

@@ -125,6 +125,43 @@ def test_shift_detected_and_directions(tmp_path):
     assert c.row("memory.decode.peak_allocated_bytes").verdict == "better"
 
 
+def test_profiler_rows_compare_kernels_and_idle_gaps(tmp_path):
+    """Scenarios with a torch profiler window (runtime.profile, kernel_summary's keys) get profile.* rows, all
+    lower-is-better: B with fewer kernels and less launch-gap time per step is better on those rows; a result
+    without the window (or one written before idle_gaps) has no such rows."""
+    scen, reqs = [], []
+    for rep in range(3):
+        for arm, kernels, launch in (("triton", 563.0, 0.60), ("dense", 480.0, 0.45)):
+            r = requests_for(
+                "decode", arm, rep, _fixed(30, 40.0, 1.0, 13), _fixed(30, 8.0, 0.05, 9), t0_ns=rep * 10**10
+            )
+            reqs += r
+            sc = scenario_from_requests("decode", arm, rep, r)
+            sc.runtime["profile"] = {
+                "kernels": int(kernels * 10), "kernels_per_step": kernels + rep, "device_busy_ms_per_step": 3.67,
+                "idle_ms_per_step": launch + 0.07 + 0.001 * rep,
+                "idle_gaps": {"launch_gap_ms_per_step": launch + 0.001 * rep, "host_gap_ms_per_step": 0.07},
+            }  # fmt: skip
+            scen.append(sc)
+    c = cmp.compare(write_run(tmp_path / "ab", scen, reqs, prov=provenance())).comparisons[0]
+    rows = {r.metric: r for r in c.rows if r.metric.startswith("profile.")}
+    assert list(rows) == [
+        "profile.kernels_per_step",
+        "profile.device_busy_ms_per_step",
+        "profile.idle_ms_per_step",
+        "profile.launch_gap_ms_per_step",
+        "profile.host_gap_ms_per_step",
+    ]
+    assert rows["profile.kernels_per_step"].unit == "kernels" and rows["profile.kernels_per_step"].verdict == "better"
+    assert rows["profile.launch_gap_ms_per_step"].verdict == "better"
+    assert rows["profile.host_gap_ms_per_step"].verdict == "no significant change"
+    for sc in scen:
+        del sc.runtime["profile"]["idle_gaps"]
+    assert cmp.available_metrics(scen[0])[-3:] == [f"profile.{f}" for f in cmp.PROFILE_FIELDS]
+    plain = cmp.compare(ab_run(tmp_path / "plain", repeats=1, n=30)).comparisons[0]
+    assert not [r for r in plain.rows if r.metric.startswith("profile.")]
+
+
 def test_aa_runs_rarely_flag_anything(tmp_path):
     """End-to-end A/A through files: 20 interleaved runs of 5 repeats; rows are correlated (all throughputs
     derive from one duration), so count the rate over (run, row) pairs."""
