@@ -86,6 +86,34 @@ def test_arms_interleave_and_repeat(tmp_path, monkeypatch):
     assert all(s.arm["mask"] == "dense" for s in result.scenarios)  # no Triton on a CPU: recorded as what ran
 
 
+def test_profile_window_per_arm_and_repeat(tmp_path, monkeypatch):
+    """--profile python on an A/B with repeats: every (arm, repeat) run gets its own summary in runtime.profile
+    and its own file (they used to share <scenario>.pstats, the last run's overwriting the others)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    p = _small_config(
+        tmp_path,
+        scenarios=[{"name": "a", "workload": {"isl": 12, "osl": 6}, "arrival": {"concurrency": 2}, "num_requests": 2}],
+        arms=[
+            {"name": "padded", "toggles": {"page_table": "padded"}},
+            {"name": "host", "toggles": {"page_table": "host"}},
+        ],
+        repeats=2,
+        capture={"profile_steps": [1, 3]},
+    )
+    res = CliRunner().invoke(app, ["run", str(p), "--out", str(tmp_path / "r"), "--profile", "python"])
+    assert res.exit_code == 0, res.output
+    runs = read_result(next((tmp_path / "r").iterdir())).scenarios
+    traces = [Path(s.runtime["profile_trace"]) for s in runs]
+    assert [t.name for t in traces] == [
+        "a.padded.r0.pstats",
+        "a.host.r0.pstats",
+        "a.padded.r1.pstats",
+        "a.host.r1.pstats",
+    ]
+    assert all(t.is_file() for t in traces)
+    assert all(s.runtime["profile"]["steps"] == 2 and s.runtime["profile"]["top"] for s in runs)
+
+
 def test_oom_and_error_are_recorded_and_the_run_continues(tmp_path, monkeypatch):
     real = serving.ServingTarget.run_scenario
 

@@ -131,7 +131,7 @@ class ServingTarget:
         self.ranges.reset()
         preempt0 = engine.stats.preemptions
         mark = self.telemetry.mark()
-        profile = self._profile_window(scenario)
+        profile = self._profile_window(scenario, base)
 
         def on_step(step: int, finished: int, records: list) -> None:
             profile.on_step(step)
@@ -214,13 +214,16 @@ class ServingTarget:
 
         return materialize
 
-    def _profile_window(self, scenario: ScenarioConfig) -> ProfileWindow:
+    def _profile_window(self, scenario: ScenarioConfig, base: ScenarioResult) -> ProfileWindow:
+        """The scenario's profiler window. Its files are named by scenario, arm and repeat
+        (``<scenario>.<arm>.r<repeat>``): every run of an A/B keeps its own trace."""
         cap = self.cfg.capture
         wanted = cap.profile != "none" and (cap.profile_scenario in (None, scenario.name)) and self.leader
         if not wanted:
             return ProfileWindow("none")
         start, stop = cap.profile_steps
-        return ProfileWindow(cap.profile, start, stop, self.run_dir / "profiles", name=scenario.name)
+        name = f"{scenario.name}.{base.arm_name}.r{base.repeat}"
+        return ProfileWindow(cap.profile, start, stop, self.run_dir / "profiles", name=name)
 
     def _roofline(self, scenario: ScenarioConfig, sm: Any) -> RooflineSection:
         if self.device != "cuda":
