@@ -74,9 +74,9 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
     "moe_gather": (
         ("gemv", "kernels"),
         "kernels",
-        "NVFP4 MoE experts at decode sizes (T*K <= 64 pairs, bf16 activations): the gathered W4A16 gemv with the "
-        "GeGLU, routing weight and combine in torch (gemv) vs two Triton kernels that fuse them (kernels); no "
-        "effect on other experts",
+        "NVFP4 MoE experts at decode sizes (bf16 activations): the gathered W4A16 gemv with the GeGLU, routing "
+        "weight and combine in torch, up to 64 pairs (gemv), vs two Triton kernels that fuse them, up to 256 pairs "
+        "(kernels); larger batches take the sorted grouped GEMMs either way; no effect on other experts",
     ),
     "attention": (
         ("auto", "flashinfer", "torch"),

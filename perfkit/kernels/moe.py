@@ -1114,6 +1114,23 @@ def _gather_worst_bound_ms(traffic: dict[str, int]) -> float:
     return worst / HBM_BYTES_PER_S * 1e3
 
 
+def _random_quant_experts(
+    fmt: str, E: int, H: int, I: int, gen: torch.Generator, device: str  # noqa: E741
+) -> tuple[QuantExpertWeights, QuantExpertWeights]:
+    """Random expert weights (std 0.05) quantised as the runtime does (:func:`quantize_experts`), for the benches."""
+    gate_up = torch.randn(E, 2 * I, H, device=device, generator=gen).mul_(0.05)
+    return quantize_experts(gate_up, torch.randn(E, H, I, device=device, generator=gen).mul_(0.05), fmt)
+
+
+def _random_tokens(
+    T: int, H: int, E: int, K: int, gen: torch.Generator, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 x [T, H] and a softmax top-K routing of random logits over E experts: (x, topk_w, topk_idx)."""
+    x = torch.randn(T, H, device=device, generator=gen).to(torch.bfloat16)
+    w, idx = moe_routing(torch.randn(T, E, device=device, generator=gen), K, torch.ones(E, device=device))
+    return x, w, idx
+
+
 def bench_fused_moe_quantized(
     T: int,
     path: str = "sorted",
@@ -1135,11 +1152,8 @@ def bench_fused_moe_quantized(
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("bench_fused_moe_quantized needs CUDA")
     gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(T, H, device=device, generator=gen).to(torch.bfloat16)
-    gate_up = torch.randn(E, 2 * I, H, device=device, generator=gen).mul_(0.05)
-    gu, dn = quantize_experts(gate_up, torch.randn(E, H, I, device=device, generator=gen).mul_(0.05), fmt)
-    del gate_up
-    w, idx = moe_routing(torch.randn(T, E, device=device, generator=gen), K, torch.ones(E, device=device))
+    gu, dn = _random_quant_experts(fmt, E, H, I, gen, device)
+    x, w, idx = _random_tokens(T, H, E, K, gen, device)
 
     def fn():
         return fused_moe_quantized(x, gu, dn, w, idx, path=path)
@@ -1220,13 +1234,10 @@ def quant_tile_sweep(
         raise ValueError(f"fmt {fmt!r} must be one of {', '.join(QUANT_EXPERT_FORMATS)}")
     file = file or sys.stdout
     gen = torch.Generator(device=device).manual_seed(seed)
-    gate_up = torch.randn(E, 2 * I, H, device=device, generator=gen).mul_(0.05)
-    gu, dn = quantize_experts(gate_up, torch.randn(E, H, I, device=device, generator=gen).mul_(0.05), fmt)
-    del gate_up
+    gu, dn = _random_quant_experts(fmt, E, H, I, gen, device)
     rows = []
     for T in tokens:
-        x = torch.randn(T, H, device=device, generator=gen).to(torch.bfloat16)
-        w, idx = moe_routing(torch.randn(T, E, device=device, generator=gen), K, torch.ones(E, device=device))
+        x, w, idx = _random_tokens(T, H, E, K, gen, device)
         active = idx.unique().numel()
         for bm in block_ms:
             t1, t2, sorted_ids, block_expert, w_flat = _sorted_plan(w, idx, E, I, H, bm)
@@ -1281,8 +1292,7 @@ def tile_sweep(tokens: tuple[int, ...] = (1, 8), file=None) -> list[dict]:
     ]
     rows = []
     for T in tokens:
-        x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
-        w, idx = moe_routing(torch.randn(T, E, device="cuda", generator=gen), K, torch.ones(E, device="cuda"))
+        x, w, idx = _random_tokens(T, H, E, K, gen, "cuda")
         ti, tw = idx.reshape(-1).contiguous(), w.reshape(-1).contiguous()
         act = _gather_gate_up(x, gu, ti, tw, K, _gather_tiles(GATHER_GATE_UP_TILES, None, inter, H))
         for kernel in ("gate_up", "down"):
