@@ -565,7 +565,19 @@ def moe_align(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     return sorted_ids, block_expert
 
 
-def _tiles(num_pairs: int, stage: str) -> dict[str, int]:
+# Quantised sorted GEMMs (``_moe_gemm_q_kernel``) at decode sizes (T*K <= 1024), what c64 and above decode
+# through: the fastest of ``quant_tile_sweep``'s 96 per GEMM (BLOCK_M 16 / 32 x QUANT_TILE_GRID) at T = 64 on the
+# H200, 26B-A4B NVFP4 shapes (docs/h200-runs/2026-12-01h/1-moe_qtiles_T64.jsonl): gate_up 293 us (the bf16
+# ``_tiles``: 307-327), down 125 us (161-167). BLOCK_M 32 lost every pairing (gate_up >= 352 us).
+QUANT_DECODE_TILES = {
+    "gate_up": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+    "down": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+}
+
+
+def _tiles(num_pairs: int, stage: str, quant: bool = False) -> dict[str, int]:
+    if quant and num_pairs <= 1024:
+        return dict(QUANT_DECODE_TILES[stage])
     if num_pairs <= 1024:  # decode: few rows per expert, weight-streaming bound -> narrow N tiles, wide K
         return {"BLOCK_M": 16, "BLOCK_N": 32 if stage == "gate_up" else 64, "BLOCK_K": 128, "num_warps": 4}
     return {"BLOCK_M": 64, "BLOCK_N": 64 if stage == "gate_up" else 128, "BLOCK_K": 64, "num_warps": 4}
@@ -655,11 +667,12 @@ def _fused_moe_gather(
 
 
 def _sorted_plan(
-    topk_w: torch.Tensor, topk_idx: torch.Tensor, E: int, inter: int, H: int, block_m: int | None
+    topk_w: torch.Tensor, topk_idx: torch.Tensor, E: int, inter: int, H: int, block_m: int | None, quant: bool
 ) -> tuple[dict[str, int], dict[str, int], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The sorted path's tiles (gate_up, down), its align step and the flat fp32 routing weights."""
+    """The sorted path's tiles (gate_up, down; ``quant``: those of the quantised GEMMs), its align step and the
+    flat fp32 routing weights."""
     P = topk_idx.numel()
-    t1, t2 = _fit(_tiles(P, "gate_up"), inter, H), _fit(_tiles(P, "down"), H, inter)
+    t1, t2 = _fit(_tiles(P, "gate_up", quant), inter, H), _fit(_tiles(P, "down", quant), H, inter)
     bm = block_m or t1["BLOCK_M"]
     t1["BLOCK_M"] = t2["BLOCK_M"] = bm
     sorted_ids, block_expert = moe_align(topk_idx, E, bm)
@@ -678,7 +691,7 @@ def _fused_moe_sorted(
     T, H = x.shape
     E, inter, K = w_gate_up.shape[0], w_down.shape[2], topk_idx.shape[1]
     P = T * K
-    t1, t2, sorted_ids, block_expert, w_flat = _sorted_plan(topk_w, topk_idx, E, inter, H, block_m)
+    t1, t2, sorted_ids, block_expert, w_flat = _sorted_plan(topk_w, topk_idx, E, inter, H, block_m, quant=False)
     n_blocks = block_expert.numel()
     upcast = interpreting() and x.dtype != torch.float32
     prec = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
@@ -882,7 +895,7 @@ def fused_moe_quantized(
                 f"{gate_up.fmt}, {x.dtype}, H {H}, I {inter}"
             )
         return _fused_moe_gather_w4a16(x, gate_up, down, topk_w, topk_idx)
-    t1, t2, sorted_ids, block_expert, w_flat = _sorted_plan(topk_w, topk_idx, E, inter, H, block_m)
+    t1, t2, sorted_ids, block_expert, w_flat = _sorted_plan(topk_w, topk_idx, E, inter, H, block_m, quant=True)
     act = torch.empty((T * K, inter), dtype=x.dtype, device=x.device)
     _moe_gemm_q(x, gate_up, act, inter, sorted_ids, block_expert, w_flat, K, t1, "gate_up")
     y = torch.empty((T * K, H), dtype=x.dtype, device=x.device)
@@ -1194,8 +1207,9 @@ def quant_sweep(tokens: tuple[int, ...] = QUANT_SWEEP_TOKENS, fmt: str = "nvfp4"
     return rows
 
 
-# Tiles of the quantised sorted GEMMs timed by ``quant_tile_sweep`` (48 per kernel and BLOCK_M): the decode
-# default (``_tiles``: 16 rows, N 32 / 64, K 128, 4 warps, Triton's default stages) is in the grid.
+# Tiles of the quantised sorted GEMMs timed by ``quant_tile_sweep`` (48 per kernel and BLOCK_M). The bf16 decode
+# tiles (``_tiles``: 16 rows, N 32 / 64, K 128, 4 warps) are in it at 2 and 4 stages (Triton's default is 3);
+# QUANT_DECODE_TILES came from it.
 QUANT_TILE_GRID: tuple[dict[str, int], ...] = tuple(
     {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st}
     for n in (16, 32, 64, 128)
@@ -1240,7 +1254,7 @@ def quant_tile_sweep(
         x, w, idx = _random_tokens(T, H, E, K, gen, device)
         active = idx.unique().numel()
         for bm in block_ms:
-            t1, t2, sorted_ids, block_expert, w_flat = _sorted_plan(w, idx, E, I, H, bm)
+            t1, t2, sorted_ids, block_expert, w_flat = _sorted_plan(w, idx, E, I, H, bm, quant=True)
             act = _moe_gemm_q(x, gu, torch.empty((T * K, I), dtype=x.dtype, device=device), I, sorted_ids,
                               block_expert, w_flat, K, t1, "gate_up")  # fmt: skip
             y = torch.empty((T * K, H), dtype=x.dtype, device=device)
