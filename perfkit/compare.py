@@ -418,6 +418,14 @@ def comparability_warnings(a: Loaded, b: Loaded, pairs: Iterable[tuple[Side, Sid
                 f"{sa.scenario}: workload differs between {who[0]} and {who[1]} "
                 f"(hash {', '.join(sorted(ha))} vs {', '.join(sorted(hb))})"
             )
+        same_file = sa.loaded is sb.loaded
+        for side, who in ((sa, sa.arm if same_file else "A"), (sb, sb.arm if same_file else "B")):
+            jit = [(s.repeat, (s.runtime.get("jit_compiles") or {})) for s in side.repeats]
+            hit = [(r, j) for r, j in jit if j.get("compiles")]
+            if hit:
+                detail = ", ".join(f"repeat {r}: {j['compiles']} in {j.get('seconds', 0):.2f} s" for r, j in hit)
+                out.append(f"{sa.scenario}: {who} compiled Triton kernels inside its measured window ({detail}): its "
+                           f"times include the compiles")  # fmt: skip
     return out
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from perfkit.capture.jit import JitCompileLog
 from perfkit.capture.memory import MemoryTracker
 from perfkit.capture.profiler import ProfileWindow
 from perfkit.capture.ranges import DEVICE_RANGES, RangeRecorder
@@ -124,10 +125,12 @@ class ServingTarget:
         wl_seed = scenario.workload.seed
 
         # warmup: same mix, other content, excluded from everything measured
+        warm_jit = JitCompileLog(self.ranges)
         if scenario.warmup_requests:
             warm = iter_requests(scenario.workload, self.token_space, wl_seed + _WARMUP_SEED_OFFSET)
-            drive(engine, warm, make_arrival(scenario.arrival, scenario.warmup_requests, wl_seed),
-                  Limits(scenario.warmup_requests, None), materialize, **self._drive_control())
+            with warm_jit:
+                drive(engine, warm, make_arrival(scenario.arrival, scenario.warmup_requests, wl_seed),
+                      Limits(scenario.warmup_requests, None), materialize, **self._drive_control())
         self.ranges.reset()
         preempt0 = engine.stats.preemptions
         mark = self.telemetry.mark()
@@ -141,7 +144,8 @@ class ServingTarget:
 
         requests = iter_requests(scenario.workload, self.token_space, wl_seed)
         syncs = SyncCounter(self.ranges) if self.cfg.capture.sync_counts and self.device == "cuda" else None
-        with self.memory.phase(f"scenario:{scenario.name}"), profile, syncs or contextlib.nullcontext():
+        jit = JitCompileLog(self.ranges)
+        with self.memory.phase(f"scenario:{scenario.name}"), profile, syncs or contextlib.nullcontext(), jit:
             outcome = drive(engine, requests, make_arrival(scenario.arrival, n, wl_seed), Limits.from_scenario(scenario),
                             materialize, on_step, **self._drive_control())
         if self.device == "cuda":
@@ -163,6 +167,8 @@ class ServingTarget:
             "setup_s": self.setup_s,
             "quant": self.quant,
             "tp": self.tp_summary,
+            "jit_compiles": jit.summary(),  # inside the measured window: should be none
+            "warmup_jit_compiles": {"compiles": warm_jit.compiles, "seconds": warm_jit.summary()["seconds"]},
         }
         throughput = sm.throughput
         if throughput is not None:  # output_tok_s stays the whole system's; per GPU = / world size
@@ -178,6 +184,7 @@ class ServingTarget:
         nvtx = self.ranges.summary()
         result = base.model_copy(
             update={
+                "message": jit.message(),
                 "runtime": runtime,
                 "counts": sm.counts,
                 "metrics": sm.metrics,

@@ -314,6 +314,8 @@ def _print_line(console: Console, res: ScenarioResult) -> None:
         f"  {escape(_label(res))}: TTFT p50 {_fmt(m['ttft_ms'].p50)} ms, "
         f"TPOT p50 {_fmt(m['tpot_ms'].p50, '.2f')} ms, {_fmt(t.output_tok_s if t else None)} out tok/s"
     )
+    if res.message:  # an ok scenario with a caveat (a JIT compile inside the measured window)
+        console.print(f"    [yellow]warning[/]: {escape(res.message)}")
 
 
 def print_summary(console: Console, result: Result) -> None:
