@@ -18,8 +18,10 @@ class FakeClock:
 
 def compile_once(knobs, clock, name, key, seconds):
     """What Triton's JITFunction._do_compile does around one build: cache hook, build, post-compile hook."""
-    fn = SimpleNamespace(name=name, jit_function=object())
-    kw = {"key": key, "repr": f"{name}[num_warps=4](T: i32:16)", "fn": fn, "compile": {}, "is_manual_warmup": False,
+    fn = SimpleNamespace(name=f"outer.<locals>.{name}", jit_function=object())  # Triton's qualified name
+    record = {"signature": {"x_ptr": "*bf16", "T": "i32", "BLOCK": "constexpr"}, "constants": {(2,): 64},
+              "configs": [{(0,): [["tt.divisibility", 16]]}], "num_warps": 4, "num_stages": 3}  # fmt: skip
+    kw = {"key": key, "repr": f"{name}[num_warps=4]()", "fn": fn, "compile": record, "is_manual_warmup": False,
           "already_compiled": False}  # fmt: skip
     skip = knobs.jit_cache_hook(**kw) if knobs.jit_cache_hook else None
     if skip:
@@ -49,7 +51,8 @@ def test_compiles_counted_per_kernel_and_range_and_hooks_restored():
     assert list(s["by_kernel"]) == ["_moe_gemm_q_kernel", "_rms_norm_kernel"]  # slowest first
     assert s["by_kernel"]["_moe_gemm_q_kernel"] == {"count": 2, "seconds": 2.0}
     assert s["by_range"] == {"forward_prefill": 2, OUTSIDE: 1}
-    assert len(s["first"]) == 3 and s["first"][0].startswith("_moe_gemm_q_kernel[")
+    assert len(s["first"]) == 3
+    assert s["first"][0] == "_moe_gemm_q_kernel[w4 s3](x_ptr: *bf16/16, T: i32, BLOCK=64)"
     msg = log.message()
     assert msg.startswith("3 Triton JIT compile(s), 2.25 s, inside the measured window (_moe_gemm_q_kernel x2")
     assert "warmup_requests" in msg
@@ -103,3 +106,4 @@ def test_a_new_specialisation_compiles_once_and_is_counted():
         torch.cuda.synchronize()
     s = log.summary()
     assert s["compiles"] == 2 and list(s["by_kernel"]) == ["_fill"] and s["seconds"] > 0
+    assert "n: i32/16" in s["first"][0] and "n: i32," in s["first"][1], s["first"]  # which argument specialised

@@ -62,7 +62,7 @@ class JitCompileLog:
         k["seconds"] += self._clock() - t0
         self.by_range[where] = self.by_range.get(where, 0) + 1
         if len(self.first) < FIRST_KEPT:
-            self.first.append(str(kw.get("repr", name))[:400])
+            self.first.append(_signature(name, kw)[:600])
         prev = self._prev[1]
         return prev(*args, **kw) if prev is not None else None
 
@@ -123,5 +123,28 @@ def _hook_key(kw: dict[str, Any]) -> Any:
 
 
 def _kernel_name(kw: dict[str, Any]) -> str:
+    """The kernel's own name (Triton gives its qualified name: a kernel defined in a function has a dotted one)."""
     fn = kw.get("fn")
-    return str(getattr(fn, "name", None) or str(kw.get("repr", "?")).split("[", 1)[0])
+    name = str(getattr(fn, "name", None) or str(kw.get("repr", "?")).split("[", 1)[0])
+    return name.rsplit(".", 1)[-1]
+
+
+def _signature(name: str, kw: dict[str, Any]) -> str:
+    """``name[w4 s3](a_ptr: *bf16/16, T: i32, BLOCK_M=16, ...)`` from the hook's ``compile`` record: each
+    argument's type, ``/16`` where Triton took it as divisible by 16, ``=v`` for constexprs (an integer argument
+    equal to 1 is one too), so two compiles of one kernel show which argument specialised. Triton's own ``repr``
+    is the fallback (its argument list is empty in some versions)."""
+    c = kw.get("compile") or {}
+    sig = c.get("signature")
+    if not isinstance(sig, dict):
+        return str(kw.get("repr", name))
+    consts = c.get("constants") or {}
+    attrs = (c.get("configs") or [{}])[0] or {}
+    parts = []
+    for i, (arg, ty) in enumerate(sig.items()):
+        if (i,) in consts:
+            parts.append(f"{arg}={consts[(i,)]}")
+        else:
+            div = any("divisibility" in str(a) for a in attrs.get((i,), ()))
+            parts.append(f"{arg}: {ty}{'/16' if div else ''}")
+    return f"{name}[w{c.get('num_warps', '?')} s{c.get('num_stages', '?')}]({', '.join(parts)})"
