@@ -641,7 +641,7 @@ def test_traffic_formulas():
     assert fused_moe_traffic(1, 2816, 704, 128, 8)["weight_bytes"] == 8 * 3 * 704 * 2816 * 2
     # quantised experts (always the sorted path): e2m1 codes + an e4m3 scale per 16 + an fp32 scale per row
     q = fused_moe_traffic(2, 32, 16, 4, 2, active_experts=3, weight_format="nvfp4")
-    assert q["weight_bytes"] == 3 * (3 * 16 * 32 // 2 + 3 * 16 * 32 // 16 + 4 * 3 * 16) == 3 * 1056
+    assert q["weight_bytes"] == 3 * (3 * 16 * 32 // 2 + 3 * 16 * 32 // 16 + 4 * (2 * 16 + 32)) == 3 * 1120
     assert (
         q["bytes_read"] - q["weight_bytes"]
         == fused_moe_traffic(2, 32, 16, 4, 2, path="sorted")["bytes_read"]
@@ -651,7 +651,7 @@ def test_traffic_formulas():
     assert qg["weight_bytes"] == q["weight_bytes"]  # its per-pair products are fp32 [P, H]: 2 more bytes each way
     assert (qg["bytes_read"] - q["bytes_read"], qg["bytes_written"] - q["bytes_written"]) == (4 * 32 * 2, 4 * 32 * 2)
     assert fused_moe_traffic(1, 2816, 704, 128, 8, weight_format="fp8")["weight_bytes"] == 8 * (
-        3 * 704 * 2816 + 4 * 3 * 704
+        3 * 704 * 2816 + 4 * (2 * 704 + 2816)
     )
     with pytest.raises(ValueError, match="weight_format"):
         fused_moe_traffic(1, 8, 4, 4, 2, weight_format="int4")

@@ -992,7 +992,8 @@ def fused_moe_traffic(
     pairs; routing metadata, O(T K) int32 / fp32, left out). ``weight_format`` "nvfp4" / "fp8": the weights of
     :func:`fused_moe_quantized` (its sorted path; ``path="gather"`` with "nvfp4": its gather kernels, whose down
     kernel writes fp32 per-pair products that a sum reads back), values + block scales + per-row scales per
-    expert: NVFP4 3 I H / 2 + 3 I H / 16 + 4 x 3 I, FP8 3 I H + 4 x 3 I bytes (``None``: ``elt_bytes`` per element).
+    expert: NVFP4 3 I H / 2 + 3 I H / 16 + 4 (2 I + H), FP8 3 I H + 4 (2 I + H) bytes (a row scale per gate_up
+    row and per down row; ``None``: ``elt_bytes`` per element).
 
     Weights (both paths): every distinct active expert's gate_up [2I, H] and down [H, I] once (``active_experts``
     default: the uniform-routing expectation, rounded). Activations, sorted path: x [T, H] read, act [T K, I]
@@ -1013,8 +1014,12 @@ def fused_moe_traffic(
         chosen = "gather" if path == "gather" and weight_format == "nvfp4" else "sorted"
     a = round(expected_active_experts(tokens, num_experts, top_k)) if active_experts is None else active_experts
     n = 3 * inter * hidden  # weight elements per expert
-    per_expert = {None: n * elt_bytes, "nvfp4": n // 2 + n // 16 + 4 * 3 * inter, "fp8": n + 4 * 3 * inter}
-    weights = a * per_expert[weight_format]
+    if weight_format is None:
+        per_expert = n * elt_bytes
+    else:  # gate_up [2I, H] and down [H, I], each with its own row scales
+        gate_up_b = _quant_matrix_bytes(weight_format, 2 * inter, hidden)
+        per_expert = gate_up_b + _quant_matrix_bytes(weight_format, hidden, inter)
+    weights = a * per_expert
     if chosen == "sorted":
         y_elt = elt_bytes  # per-pair outputs in x's dtype, summed by the launcher
     elif weight_format is None:
@@ -1027,7 +1032,7 @@ def fused_moe_traffic(
     flops = 6 * P * hidden * inter + 10 * P * inter + 2 * P * hidden
     return {
         "weight_bytes": weights,
-        "gather_weight_bytes": P * per_expert[weight_format],
+        "gather_weight_bytes": P * per_expert,
         "bytes_read": read,
         "bytes_written": written,
         "total_bytes": read + written,
