@@ -711,6 +711,26 @@ def test_fused_moe_quantized_matches_reference(scheme, dtype, T, block_m):
         assert rel(y.float(), ref) < 1.5e-2
 
 
+@pytest.mark.parametrize("scheme", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("T", [3, 40])
+def test_fused_moe_quantized_swap_ab_matches_reference(scheme, T):
+    """The transposed sorted GEMMs (SWAP_AB: weight rows on the dot's M side, the block's rows on its N side,
+    acc transposed in the epilogue) against fused_moe_ref: K tails, partial blocks, N tiles past the rows; and
+    an unknown tile key is an error."""
+    from perfkit.kernels.moe import fused_moe_quantized, fused_moe_ref
+
+    E, H, inter, K = 6, 64, 48, 2
+    e = _quant_experts(scheme, E, H, inter, seed=3)
+    x, w, idx = _routed(T, H, E, K, torch.Generator().manual_seed(4))
+    gu, dn = e.quant_weights("gate_up_proj"), e.quant_weights("down_proj")
+    swap = {"SWAP_AB": True, "BLOCK_N": 64, "BLOCK_K": 32}  # gate_up: 64 > I = 48 rows; down: one 64-row tile
+    y = fused_moe_quantized(x, gu, dn, w, idx, gate_up_tiles=swap, down_tiles=swap)
+    ref = fused_moe_ref(x, gu.dequantize(), dn.dequantize(), w, idx)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="unknown tile keys"):
+        fused_moe_quantized(x, gu, dn, w, idx, down_tiles={"BLOCK_M": 32})
+
+
 @pytest.mark.parametrize("T,H,inter,K", [(1, 64, 32, 4), (3, 96, 64, 2)])
 def test_fused_moe_quantized_gather_path_matches_reference(T, H, inter, K):
     """The NVFP4 gather kernels (interpreter): gate_up + GeGLU per pair and down + routing weight + combine per

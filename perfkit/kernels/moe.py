@@ -284,10 +284,17 @@ def _moe_gemm_q_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     """_moe_gemm_kernel with quantised expert weights, dequantised in registers (module doc, "Quantised
     experts"): each [BLOCK_N, BLOCK_K] weight tile is decoded once per program step and fed to one tensor-core dot
-    per row block, the per-row scale applied in the epilogue. Weight-only: x is not quantised."""
+    per row block, the per-row scale applied in the epilogue. Weight-only: x is not quantised.
+
+    SWAP_AB computes the transposed product, out^T [BLOCK_N, BLOCK_M] = W x A^T: the weight tile becomes the dot's
+    first operand (its M side, BLOCK_N >= 64 fills a Hopper warpgroup MMA) and the few rows of one expert's block
+    its N side, instead of 16 padded rows of which decode fills ~4. The accumulators are transposed once, in the
+    epilogue. Why: the skinny W4A16 GEMMs of decode put the weights on the MMA's M side (Marlin, machete); the
+    sorted GEMMs ran at ~20 % of their bound with every tile of the plain form (H200 12-01h)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -308,8 +315,12 @@ def _moe_gemm_q_kernel(
             s_ptrs = s_ptr + e64 * stride_se + rn[:, None] * stride_sn + g[None, :]
         else:
             w_ptrs = w_ptr + e64 * stride_we + rn[:, None] * stride_wn + offs_k[None, :]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if SWAP_AB:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, Kd, BLOCK_K):
             km = offs_k < Kd - k0
             a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
@@ -322,10 +333,7 @@ def _moe_gemm_q_kernel(
                 tile = _dequant_tile(w.to(tl.uint32, bitcast=True), sf, ASM)  # [BN, BK] fp32, exact
             else:
                 tile = tl.load(w_ptrs, mask=km[None, :], other=0.0).to(tl.float32)  # e4m3 -> fp32, exact
-            if IEEE:
-                acc = tl.dot(a, tl.trans(tile), acc, input_precision="ieee")
-            else:  # e2m1 * e4m3 and e4m3 are exact in bf16 / fp16
-                acc = tl.dot(a, tl.trans(tile.to(a.dtype)), acc)
+            acc = _q_dot(a, tile, acc, IEEE, SWAP_AB)
             if GELU_MUL:  # the up rows [N, 2N) of the same expert
                 if NVFP4:
                     wu = tl.load(w_ptrs + N * stride_wn, mask=g_ok[None, :, None], other=0)
@@ -335,20 +343,33 @@ def _moe_gemm_q_kernel(
                     )
                 else:
                     tile = tl.load(w_ptrs + N * stride_wn, mask=km[None, :], other=0.0).to(tl.float32)
-                if IEEE:
-                    acc_u = tl.dot(a, tl.trans(tile), acc_u, input_precision="ieee")
-                else:
-                    acc_u = tl.dot(a, tl.trans(tile.to(a.dtype)), acc_u)
+                acc_u = _q_dot(a, tile, acc_u, IEEE, SWAP_AB)
             a_ptrs += BLOCK_K
             if NVFP4:
                 w_ptrs += BLOCK_K // 8
                 s_ptrs += G
             else:
                 w_ptrs += BLOCK_K
+        if SWAP_AB:  # [BN, BM] -> [BM, BN], once per program
+            acc = tl.trans(acc)
+            acc_u = tl.trans(acc_u)
         acc = acc * tl.load(rs_ptr + e64 * stride_re + rn)[None, :]
         if GELU_MUL:
             acc_u = acc_u * tl.load(rs_ptr + e64 * stride_re + N + rn)[None, :]
         _store_block(acc, acc_u, c_ptr, topw_ptr, ids, valid, offs_n, nmask, stride_cm, GELU_MUL, MUL_W)
+
+
+@triton.jit
+def _q_dot(a, tile, acc, IEEE: tl.constexpr, SWAP_AB: tl.constexpr):
+    """acc += a [BM, BK] x tile [BN, BK]^T, or its transpose (SWAP_AB: acc [BN, BM] += tile x a^T). fp32 operands
+    use IEEE dots; a bf16 / fp16 a takes the tile in its dtype (e2m1 * e4m3 and e4m3 are exact in both)."""
+    if IEEE:
+        if SWAP_AB:
+            return tl.dot(tile, tl.trans(a), acc, input_precision="ieee")
+        return tl.dot(a, tl.trans(tile), acc, input_precision="ieee")
+    if SWAP_AB:
+        return tl.dot(tile.to(a.dtype), tl.trans(a), acc)
+    return tl.dot(a, tl.trans(tile.to(a.dtype)), acc)
 
 
 @triton.jit
@@ -804,9 +825,19 @@ def _moe_gemm_q(
         a, w, s, rs, out, sorted_ids, block_expert, w_flat,
         n, kd, E, w_flat.numel(), top_k, a.stride(0), w.stride(0), w.stride(1), *s_strides, rs.stride(0),
         out.stride(0), A_BY_TOKEN=gate_up, GELU_MUL=gate_up, MUL_W=not gate_up, NVFP4=wq.fmt == "nvfp4",
-        IEEE=a.dtype == torch.float32 or interpreting(), ASM=_asm(), **tiles,
+        IEEE=a.dtype == torch.float32 or interpreting(), ASM=_asm(), **{"SWAP_AB": False, **tiles},
     )  # fmt: skip
     return out
+
+
+def _sorted_tiles(t: dict[str, int], override: dict[str, int] | None, n: int, kd: int) -> dict[str, int]:
+    """The quantised sorted GEMM's tiles with a per-call override merged in (BLOCK_M stays the align step's)."""
+    if not override:
+        return t
+    bad = sorted(set(override) - {*_TILE_KEYS, "SWAP_AB"})
+    if bad:
+        raise ValueError(f"unknown tile keys {bad}; allowed: {', '.join(_TILE_KEYS)}, SWAP_AB")
+    return _fit({**t, **override}, n, kd)
 
 
 def gather_w4a16_fits(x: torch.Tensor, gate_up: QuantExpertWeights) -> bool:
@@ -869,11 +900,15 @@ def fused_moe_quantized(
     *,
     block_m: int | None = None,
     path: str = "sorted",
+    gate_up_tiles: dict[str, int] | None = None,
+    down_tiles: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """:func:`fused_moe` with NVFP4 or FP8 expert weights (module doc, "Quantised experts"): x [T, H], gate_up
     [E, 2I, H], down [E, H, I] (logical shapes), topk_w / topk_idx [T, K] -> [T, H] in x's dtype. Any T, no host
     sync (CUDA-graph capturable). ``path``: "sorted" (grouped tensor-core GEMMs, any format) or "gather" (NVFP4
-    with bf16 x: the two gather kernels, for decode-sized T*K; ``gather_w4a16_fits``)."""
+    with bf16 x: the two gather kernels, for decode-sized T*K; ``gather_w4a16_fits``). gate_up_tiles /
+    down_tiles: the sorted GEMMs' tiles, any of {BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP_AB} over the
+    defaults (``_tiles``; for sweeps and tests)."""
     if path not in ("sorted", "gather"):
         raise ValueError(f"path {path!r} must be 'sorted' or 'gather'")
     T, H = x.shape
@@ -896,6 +931,7 @@ def fused_moe_quantized(
             )
         return _fused_moe_gather_w4a16(x, gate_up, down, topk_w, topk_idx)
     t1, t2, sorted_ids, block_expert, w_flat = _sorted_plan(topk_w, topk_idx, E, inter, H, block_m, quant=True)
+    t1, t2 = _sorted_tiles(t1, gate_up_tiles, inter, H), _sorted_tiles(t2, down_tiles, H, inter)
     act = torch.empty((T * K, inter), dtype=x.dtype, device=x.device)
     _moe_gemm_q(x, gate_up, act, inter, sorted_ids, block_expert, w_flat, K, t1, "gate_up")
     y = torch.empty((T * K, H), dtype=x.dtype, device=x.device)
@@ -1222,6 +1258,17 @@ QUANT_TILE_GRID: tuple[dict[str, int], ...] = tuple(
     for w in (4, 8)
     for st in (2, 4)
 )
+# The transposed form (``SWAP_AB``: weight rows on the MMA's M side, 64 or 128 of them) beside the two
+# QUANT_DECODE_TILES it would replace: ``--tiles --quant nvfp4 --swap`` (18 per kernel and BLOCK_M).
+QUANT_SWAP_GRID: tuple[dict[str, int], ...] = tuple(
+    {k: v for k, v in t.items() if k != "BLOCK_M"} for t in QUANT_DECODE_TILES.values()
+) + tuple(
+    {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st, "SWAP_AB": True}
+    for n in (64, 128)
+    for k in (64, 128)
+    for w in (4, 8)
+    for st in (2, 4)
+)
 
 
 def _quant_matrix_bytes(fmt: str, n: int, kd: int) -> int:
@@ -1337,13 +1384,18 @@ def _main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument("--tokens", default=None, help="comma-separated batch sizes T")
     ap.add_argument(
+        "--swap", action="store_true",
+        help="with --tiles --quant: the transposed (SWAP_AB) tiles beside the defaults instead of the full grid",
+    )  # fmt: skip
+    ap.add_argument(
         "--quant", choices=QUANT_EXPERT_FORMATS, default=None,
         help="with --sweep: quantised experts (sorted vs gather for nvfp4) instead of bf16",
     )  # fmt: skip
     args = ap.parse_args(argv)
     if args.tiles and torch.cuda.is_available():
         if args.quant:
-            quant_tile_sweep(_tokens(args.tokens, (16, 64)), args.quant)
+            grid = QUANT_SWAP_GRID if args.swap else QUANT_TILE_GRID
+            quant_tile_sweep(_tokens(args.tokens, (16, 64)), args.quant, grid=grid)
         else:
             tile_sweep()
         return 0
