@@ -365,11 +365,16 @@ def _q_dot(a, tile, acc, IEEE: tl.constexpr, SWAP_AB: tl.constexpr):
     use IEEE dots; a bf16 / fp16 a takes the tile in its dtype (e2m1 * e4m3 and e4m3 are exact in both)."""
     if IEEE:
         if SWAP_AB:
-            return tl.dot(tile, tl.trans(a), acc, input_precision="ieee")
-        return tl.dot(a, tl.trans(tile), acc, input_precision="ieee")
-    if SWAP_AB:
-        return tl.dot(tile.to(a.dtype), tl.trans(a), acc)
-    return tl.dot(a, tl.trans(tile.to(a.dtype)), acc)
+            acc = tl.dot(tile, tl.trans(a), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(tile), acc, input_precision="ieee")
+    else:
+        t = tile.to(a.dtype)
+        if SWAP_AB:
+            acc = tl.dot(t, tl.trans(a), acc)
+        else:
+            acc = tl.dot(a, tl.trans(t), acc)
+    return acc
 
 
 @triton.jit
