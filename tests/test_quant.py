@@ -417,6 +417,25 @@ def test_w4a16_dot_scale_modes(scale_mode):
     assert torch.equal(out, base)  # same values, same accumulation order
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w4a16_dot_swap_ab(dtype):
+    """The transposed dot (swap_ab: out^T = W x^T, acc transposed in the epilogue) against the reference: rows
+    past M, columns past N (N 40 in a 64-row weight tile), K tails, split-K, per-column global scales; fp32 is
+    within 1e-6 of the plain form (the same products; the dot may sum them in another order)."""
+    x, q, s, gs = _operands(5, 40, 208, dtype, seed=3, per_row_gs=True)
+    swap = W4A16Config(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1, swap_ab=True)
+    for cfg in (swap, dataclasses.replace(swap, block_k=32, split_k=3)):
+        out = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=cfg, path="dot")
+        _assert_w4a16_close(out, x, q, s, gs)
+    if dtype == torch.float32:
+        plain = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=dataclasses.replace(swap, swap_ab=False),
+                           path="dot")  # fmt: skip
+        torch.testing.assert_close(w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=swap, path="dot"), plain,
+                                   atol=1e-6, rtol=1e-6)  # fmt: skip
+    with pytest.raises(ValueError, match="swap_ab: the dot path only"):
+        w4a16_gemm(x, q, s, gs, config=dataclasses.replace(swap, block_m=4), path="gemv")
+
+
 def test_w4a16_paths_and_configs():
     assert [pick_path(m) for m in (1, GEMV_MAX_M, GEMV_MAX_M + 1, DEQUANT_MM_MIN_M - 1, DEQUANT_MM_MIN_M)] == [
         "gemv", "gemv", "dot", "dot", "dequant_mm",

@@ -530,6 +530,7 @@ def _w4a16_dot_kernel(
     GATHER_SCALES: tl.constexpr,
     IEEE: tl.constexpr,
     ASM: tl.constexpr,
+    SWAP_AB: tl.constexpr,  # out^T [BN, BM] = W x^T: the weight tile on the dot's M side (W4A16Config.swap_ab)
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -559,7 +560,10 @@ def _w4a16_dot_kernel(
         s_ptrs = s_ptr + rn[:, None] * stride_sn + (k_lo // 16 + g)[None, :]
     x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + kk)[None, :]
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
@@ -578,13 +582,23 @@ def _w4a16_dot_kernel(
             sf = sf[:, :, None]
         tile = _dequant_tile(w.to(tl.uint32, bitcast=True), sf, ASM)  # [BN, BK] fp32, exact
         if IEEE:  # fp32 activations, or the CPU interpreter (whose bf16 tl.dot is wrong): fp32 dot
-            acc = tl.dot(x.to(tl.float32), tl.trans(tile), acc, input_precision="ieee")
+            xf = x.to(tl.float32)
+            if SWAP_AB:
+                acc = tl.dot(tile, tl.trans(xf), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xf, tl.trans(tile), acc, input_precision="ieee")
         else:  # the tile is exact in x's dtype: tensor-core dot, fp32 accumulate
-            acc = tl.dot(x, tl.trans(tile.to(x.dtype)), acc)
+            t = tile.to(x.dtype)
+            if SWAP_AB:
+                acc = tl.dot(t, tl.trans(x), acc)
+            else:
+                acc = tl.dot(x, tl.trans(t), acc)
         w_ptrs += BLOCK_K // 8
         s_ptrs += G
         x_ptrs += BLOCK_K
 
+    if SWAP_AB:  # [BN, BM] -> [BM, BN], once per program
+        acc = tl.trans(acc)
     gs = tl.load(gs_ptr + rn * gs_stride)
     acc = acc * gs[None, :]
     out = (
@@ -657,7 +671,9 @@ class W4A16Config:
     beat one step ahead by 8-14 % on the 12-01c sweep). ``wide`` (gemv): at M = 1 with bf16 x and K % 32 == 0,
     ``_w4a16_gemv_wide_kernel`` (16-byte weight loads, two row sets of ``block_n / 2`` sharing each thread's x,
     always two steps ahead, no split-K; ``block_n >= 2``, ``block_k >= 32``); other problems run the narrow
-    kernel with the same tile."""
+    kernel with the same tile. ``swap_ab`` (dot): the transposed product, out^T = W x^T, so the weight tile is the
+    MMA's first operand (``block_n`` >= 64 fills a Hopper warpgroup MMA) and the few decode rows its N side, as
+    Marlin / machete do for skinny W4A16 GEMMs; the accumulator is transposed once, in the epilogue."""
 
     block_m: int
     block_n: int
@@ -667,6 +683,7 @@ class W4A16Config:
     split_k: int | None = None
     prefetch: int = 1
     wide: bool = False
+    swap_ab: bool = False
 
 
 # gemv: 4 weight rows x 512 K = 1 KB of weight per program and step, two more steps in flight (prefetch=2):
@@ -750,11 +767,13 @@ def _validate_config(cfg: W4A16Config, path: str) -> None:
     ok = ok and pow2(cfg.block_m) and (path != "dot" or cfg.block_m >= 16) and pow2(cfg.num_warps)
     ok = ok and (cfg.split_k is None or cfg.split_k >= 1) and cfg.num_stages >= 1 and cfg.prefetch in (1, 2)
     ok = ok and (not cfg.wide or (path == "gemv" and cfg.block_n >= 2 and cfg.block_k >= 32))
+    ok = ok and (not cfg.swap_ab or path == "dot")
     if not ok:
         raise ValueError(
             f"bad {path} config {cfg}: block sizes must be powers of two, block_k >= 16, prefetch 1 or 2"
             + (", block_m and block_n >= 16" if path == "dot" else "")
             + ("; wide: the gemv path only, block_n >= 2, block_k >= 32" if cfg.wide else "")
+            + ("; swap_ab: the dot path only" if cfg.swap_ab else "")
         )
 
 
@@ -913,7 +932,7 @@ def _launch_dot(
         x.stride(0), words.stride(0), scales.stride(0), stride_os, N, 1, gs_stride, k_per_split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=DOT_GROUP_M,
         EVEN_K=K % cfg.block_k == 0, GATHER_SCALES=gather_scales,
-        IEEE=x.dtype == torch.float32 or interpreting(), ASM=_asm(),
+        IEEE=x.dtype == torch.float32 or interpreting(), ASM=_asm(), SWAP_AB=cfg.swap_ab,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out if split == 1 else _finish_split(target, out)
@@ -1298,6 +1317,12 @@ SWEEP_CONFIGS: dict[str, tuple[W4A16Config | None, ...]] = {
         W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),
         W4A16Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3),
         W4A16Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, split_k=1),
+        # the transposed form (swap_ab; 12-01h, not yet timed): weight rows on the wgmma's M side
+        W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap_ab=True),
+        W4A16Config(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3, swap_ab=True),
+        W4A16Config(block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=3, swap_ab=True),
+        W4A16Config(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, swap_ab=True),
+        W4A16Config(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3, swap_ab=True),
     ),
     "dequant_mm": (None,),
 }
