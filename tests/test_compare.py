@@ -212,6 +212,23 @@ def test_failed_repeats_are_left_out_with_a_warning(tmp_path):
     assert any("repeat 1 is oom" in w for w in report.warnings)
 
 
+def test_jit_compiles_in_a_measured_window_are_a_warning(tmp_path):
+    """A side whose measured window compiled Triton kernels (runtime.jit_compiles, since 12-01h) is flagged with its
+    repeats, counts and seconds; results without the field (older files) are not."""
+    r = requests_for("decode", "a", 0, _fixed(10, 40, 1, 5), _fixed(10, 8, 0.1, 5))
+    rb = requests_for("decode", "b", 0, _fixed(10, 44, 1, 5), _fixed(10, 9, 0.1, 5))
+    sa = scenario_from_requests("decode", "a", 0, r)
+    sb = scenario_from_requests("decode", "b", 0, rb)
+    assert not any("compiled Triton" in w for w in cmp.compare(write_run(tmp_path / "x", [sa, sb], r + rb)).warnings)
+    sb.runtime["jit_compiles"] = {"compiles": 4, "seconds": 2.67}
+    sa.runtime["jit_compiles"] = {"compiles": 0, "seconds": 0}
+    w = cmp.compare(write_run(tmp_path / "y", [sa, sb], r + rb)).warnings
+    assert [x for x in w if "compiled Triton" in x] == [
+        "decode: b compiled Triton kernels inside its measured window (repeat 0: 4 in 2.67 s): its times include the "
+        "compiles"
+    ]
+
+
 # ---------------------------------------------------------------------------------------- comparability
 
 

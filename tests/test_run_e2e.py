@@ -53,6 +53,8 @@ def test_smoke_config_end_to_end(tmp_path):
         assert s.telemetry is not None and s.telemetry.available is False
         assert s.roofline is not None and s.nvtx and "step" in s.nvtx and "forward_prefill" in s.nvtx
         assert s.arm["attention"] == "torch" and s.arm["cuda_graphs"] == "off"
+        assert s.runtime["jit_compiles"]["compiles"] == 0 and s.message is None  # no Triton kernel built on a CPU
+        assert s.runtime["warmup_jit_compiles"] == {"compiles": 0, "seconds": 0}
     text, mm = result.scenarios
     assert text.counts.requests == 12 and text.counts.input_vision_tokens == 0
     assert text.throughput.goodput_fraction is not None
