@@ -567,6 +567,26 @@ def test_quantised_moe_sweep_flow_on_cpu(monkeypatch):
         moe.quantize_experts(torch.randn(1, 4, 16), torch.randn(1, 16, 2), "int4")
 
 
+def test_moe_main_bad_input_exits_2_with_one_line(capsys, monkeypatch):
+    """``python3 -m perfkit.kernels.moe``: no GPU, --swap without --tiles --quant, a bad --tokens: one stderr line,
+    exit 2; no mode: the help, exit 2."""
+    from perfkit.kernels.moe import _main
+
+    cases = [
+        (["--tiles", "--quant", "nvfp4"], False, "tile sweep needs a CUDA GPU"),
+        (["--sweep"], False, "sweep needs a CUDA GPU"),
+        (["--tiles", "--swap"], True, "--swap goes with --tiles --quant"),
+        (["--sweep", "--tokens", "16,x"], True, "--tokens '16,x'"),
+        (["--tiles", "--quant", "fp8", "--tokens", "0"], True, "positive integers"),
+    ]
+    for argv, cuda, needle in cases:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        assert _main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], (argv, err)
+    assert _main([]) == 2 and "usage" in capsys.readouterr().out
+
+
 def test_quant_tile_sweep_flow_on_cpu(monkeypatch):
     """The sorted quantised GEMMs' tile sweep (``python3 -m perfkit.kernels.moe --tiles --quant nvfp4``) at toy
     shapes on CPU, timers stubbed: one row per (stage, T, BLOCK_M, tile), each tile's output equal to the default

@@ -1397,28 +1397,41 @@ def _main(argv: list[str] | None = None) -> int:
         help="with --sweep: quantised experts (sorted vs gather for nvfp4) instead of bf16",
     )  # fmt: skip
     args = ap.parse_args(argv)
-    if args.tiles and torch.cuda.is_available():
-        if args.quant:
-            grid = QUANT_SWAP_GRID if args.swap else QUANT_TILE_GRID
-            quant_tile_sweep(_tokens(args.tokens, (16, 64)), args.quant, grid=grid)
-        else:
-            tile_sweep()
-        return 0
-    if not args.sweep:
+    if args.swap and not (args.tiles and args.quant):
+        print("--swap goes with --tiles --quant nvfp4|fp8 (the quantised sorted GEMMs' tile sweep)", file=sys.stderr)
+        return 2
+    if not (args.sweep or args.tiles):
         ap.print_help()
         return 2
     if not torch.cuda.is_available():
-        print("the sweep needs a CUDA GPU", file=sys.stderr)
+        print(f"the {'tile sweep' if args.tiles else 'sweep'} needs a CUDA GPU", file=sys.stderr)
         return 2
+    try:
+        tokens = _tokens(args.tokens, (16, 64) if args.tiles and args.quant else None)
+    except ValueError:
+        print(f"--tokens {args.tokens!r}: comma-separated positive integers, e.g. 16,64", file=sys.stderr)
+        return 2
+    if args.tiles:
+        if args.quant:
+            quant_tile_sweep(tokens, args.quant, grid=QUANT_SWAP_GRID if args.swap else QUANT_TILE_GRID)
+        else:
+            tile_sweep()
+        return 0
     if args.quant:
-        quant_sweep(_tokens(args.tokens, QUANT_SWEEP_TOKENS), args.quant)
+        quant_sweep(tokens or QUANT_SWEEP_TOKENS, args.quant)
     else:
-        sweep(_tokens(args.tokens, SWEEP_TOKENS))
+        sweep(tokens or SWEEP_TOKENS)
     return 0
 
 
-def _tokens(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
-    return default if text is None else tuple(int(t) for t in text.split(","))
+def _tokens(text: str | None, default: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """``--tokens 16,64`` -> (16, 64); ValueError for anything but positive integers."""
+    if text is None:
+        return default
+    tokens = tuple(int(t) for t in text.split(","))
+    if any(t < 1 for t in tokens):
+        raise ValueError(text)
+    return tokens
 
 
 if __name__ == "__main__":
