@@ -14,6 +14,7 @@ so there the kernel equals the reference bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -89,6 +90,27 @@ def test_k_tails_inside_a_group(K):
         _assert_close(fp8_gemv(x, q, s, config=cfg), x, q, s)
 
 
+TILE16 = Fp8GemvConfig(block_m=4, block_n=16, block_k=64, num_warps=4, group=16)  # 4 groups of 16 per step
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_16_element_groups_match_reference(M, dtype):
+    """group=16 (four words, one 16-byte load per thread and row): decode sizes, a partial N tile, K = 208 (a tail
+    of one 16-group), K = 212 / 300 (the last group holding one / three valid words of four), split-K; within the
+    reference's bound, and fp32 within twice of the 8-element form."""
+    for K in (208, 212, 300):
+        x, q, s = _operands(M, 40, K, dtype, seed=M + K)
+        for cfg in (TILE16, Fp8GemvConfig(block_m=8, block_n=8, block_k=32, num_warps=4, split_k=3, group=16)):
+            out = fp8_gemv(x, q, s, config=cfg)
+            assert out.dtype == dtype and out.shape == (M, 40)
+            _assert_close(out, x, q, s)
+        if dtype == torch.float32:
+            mag = x.double().abs() @ dequantize_fp8_rowwise(q, s).double().abs().T
+            diff = (fp8_gemv(x, q, s, config=TILE16).double() - fp8_gemv(x, q, s, config=TILE).double()).abs()
+            assert (diff <= 4 * (K + 4) * 2.0**-24 * mag + 1e-30).all()
+
+
 def test_split_k_matches_and_is_deterministic():
     """Split-K (3 splits: fp32 partials summed in a fixed order by a second kernel) against the unsplit kernel
     and the reference, and bit-identical over two calls."""
@@ -142,6 +164,7 @@ def test_onehot_rows_are_exact():
     x[torch.arange(16), cols] = 1.0
     cfg = Fp8GemvConfig(block_m=8, block_n=16, block_k=64, num_warps=4)
     assert torch.equal(fp8_gemv(x, q, s, config=cfg), fp8_gemv_ref(x, q, s))
+    assert torch.equal(fp8_gemv(x, q, s, config=dataclasses.replace(cfg, group=16)), fp8_gemv_ref(x, q, s))
     xb = x.to(torch.bfloat16)
     want = fp8_gemv_ref(xb, q, s, out_dtype=torch.float32)
     err = (fp8_gemv(xb, q, s, config=cfg).float() - want).abs()
@@ -207,6 +230,8 @@ def test_bad_config_type_raises():
         {"num_stages": 0},
         {"split_k": 0},
         {"block_n": 0},
+        {"group": 4},
+        {"group": 32},
     ],
 )
 def test_config_validation(kwargs):
@@ -224,7 +249,7 @@ def test_default_configs():
     assert fg.default_config() is (INTERPRETER_CONFIG if interpreting() else GEMV_CONFIG)
     assert fg._fit(GEMV_CONFIG, 1, 5376, 21504) == (1, GEMV_CONFIG.block_n, GEMV_CONFIG.block_k)
     assert fg._fit(GEMV_CONFIG, 3, 5, 20) == (4, min(GEMV_CONFIG.block_n, 8), 32)  # clipped to the problem
-    assert 1 <= len(fg.SWEEP_CONFIGS) <= 12 and len(set(fg.SWEEP_CONFIGS)) == len(fg.SWEEP_CONFIGS)
+    assert 1 <= len(fg.SWEEP_CONFIGS) <= 16 and len(set(fg.SWEEP_CONFIGS)) == len(fg.SWEEP_CONFIGS)
 
 
 def test_traffic():

@@ -48,6 +48,11 @@ conversion matches torch's for every byte except the NaN codes 0x7F / 0xFF (it r
 Tuning: ``GEMV_CONFIG`` and ``FP8_GEMV_MAX_M`` come from the H200 sweep of 12-01c (``python3 -m
 perfkit.kernels.fp8_gemv --sweep [--out FILE]``, ``sweep_fp8_gemv``: the tiles of ``SWEEP_CONFIGS`` at the 31B's
 decode shapes against bf16 cuBLAS and the W8A8 ``fp8_linear`` path): 36-51 % of the DRAM bound at M = 1.
+``group=16`` (12-01h, not yet timed): each thread holds 16 K of a row per step (one 16-byte weight load, x as two
+16-byte loads) and keeps 4 accumulator chains, one per word (``_fp8_gemv_step16``), as the W4A16 wide gemv does.
+Compiled offline for sm_90 with Triton 3.6 at M = 1 (integer arguments and pointers taken as divisible by 16, as
+the real shapes are), its loop takes 3.5-3.9 SASS instructions per weight byte (4 or 8 rows x 2048) against 5.7
+for GEMV_CONFIG counted the same way, with 104-172 registers against 48. The sweep times it beside the default.
 """
 
 from __future__ import annotations
@@ -139,6 +144,23 @@ def _fp8_gemv_step(acc, wd, x, ASM: tl.constexpr):
 
 
 @triton.jit
+def _fp8_gemv_step16(acc, wd, x, ASM: tl.constexpr):
+    """The 16-element form of :func:`_fp8_gemv_step`: acc [BM, BN, G, 4] fp32 + weight words wd [1, BN, G, 4]
+    (group g = elements 16g .. 16g + 15 = word h, byte j at 16g + 4h + j; one 16-byte load per thread and row)
+    times x [BM, 1, G, 16]: a chain of 4 FMAs per word (byte j of each word), the 4 words' chains kept apart in
+    the accumulator's last axis and reduced with the groups in the epilogue."""
+    f0, f1, f2, f3 = _e4m3x4_to_f32(wd, ASM)  # byte j of each word: [1, BN, G, 4 (h)]
+    xf = tl.reshape(x.to(tl.float32), (x.shape[0], 1, x.shape[2], 4, 2, 2))  # [BM, 1, G, h, j // 2, j % 2]
+    x_even, x_odd = tl.split(xf)
+    x0, x2 = tl.split(x_even)  # x{j}: [BM, 1, G, 4 (h)]
+    x1, x3 = tl.split(x_odd)
+    acc = tl.fma(f0, x0, acc)
+    acc = tl.fma(f1, x1, acc)
+    acc = tl.fma(f2, x2, acc)
+    return tl.fma(f3, x3, acc)
+
+
+@triton.jit
 def _fp8_gemv_kernel(
     x_ptr,  # [M, K] activations (bf16 / fp16 / fp32), unit stride along K
     w_ptr,  # [N, K/4] int32: the float8_e4m3fn weight [N, K] as words (4 elements each, little-endian)
@@ -154,19 +176,21 @@ def _fp8_gemv_kernel(
     k_per_split,  # multiple of BLOCK_K
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # >= 16; a multiple of 256 * num_warps keeps x in the weight tile's layout
+    BLOCK_K: tl.constexpr,  # >= GROUP; a multiple of 32 * GROUP * num_warps keeps x in the weight tile's layout
+    GROUP: tl.constexpr,  # K elements per thread and row per step: 8 (one 8-byte load) or 16 (one 16-byte load)
     ASM: tl.constexpr,  # inline-PTX e4m3 -> fp32 (sm_89+; not the interpreter)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    G: tl.constexpr = BLOCK_K // 8
+    G: tl.constexpr = BLOCK_K // GROUP
+    WORDS: tl.constexpr = GROUP // 4
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N / M re-read the last row (not stored): no load masks
     rm = tl.minimum(offs_m, M - 1).to(tl.int64)
-    kx = (8 * tl.arange(0, G))[:, None] + tl.arange(0, 8)[None, :]  # [G, 8]: x's K offsets within a step
-    kw = (2 * tl.arange(0, G))[:, None] + tl.arange(0, 2)[None, :]  # [G, 2]: the weight's word offsets
+    kx = (GROUP * tl.arange(0, G))[:, None] + tl.arange(0, GROUP)[None, :]  # [G, GROUP]: x's K offsets in a step
+    kw = (WORDS * tl.arange(0, G))[:, None] + tl.arange(0, WORDS)[None, :]  # [G, WORDS]: the weight's words
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     k_main = k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K  # end of this split's full steps
@@ -176,7 +200,10 @@ def _fp8_gemv_kernel(
     # the product needs no layout conversion (x is issued first: the product then takes the weight's layout)
     w_ptrs = w_ptr + (rn * stride_wn)[None, :, None, None] + (k_lo // 4 + kw)[None, None, :, :]
     x_ptrs = x_ptr + (rm * stride_xm)[:, None, None, None] + (k_lo + kx)[None, None, :, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N, G), dtype=tl.float32)
+    if GROUP == 16:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, G, WORDS), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, G), dtype=tl.float32)
 
     # full steps: unmasked vector loads; the next step's weight tile is loaded before this step's math (the last
     # step's "next" is clamped onto itself: an L1 / L2 re-read instead of a mask)
@@ -185,14 +212,22 @@ def _fp8_gemv_kernel(
         x = tl.load(x_ptrs + (k0 - k_lo))
         k_next = tl.minimum(k0 + BLOCK_K, k_main - BLOCK_K)
         wd_next = tl.load(w_ptrs + (k_next - k_lo) // 4)
-        acc = _fp8_gemv_step(acc, wd, x, ASM)
+        if GROUP == 16:
+            acc = _fp8_gemv_step16(acc, wd, x, ASM)
+        else:
+            acc = _fp8_gemv_step(acc, wd, x, ASM)
         wd = wd_next
     if k_main < k_hi:  # the K tail: one masked step (zeros past k_hi in both operands)
         x = tl.load(x_ptrs + (k_main - k_lo), mask=(kx < k_hi - k_main)[None, None, :, :], other=0.0)
         wd = tl.load(w_ptrs + (k_main - k_lo) // 4, mask=(4 * kw < k_hi - k_main)[None, None, :, :], other=0)
-        acc = _fp8_gemv_step(acc, wd, x, ASM)
+        if GROUP == 16:
+            acc = _fp8_gemv_step16(acc, wd, x, ASM)
+        else:
+            acc = _fp8_gemv_step(acc, wd, x, ASM)
 
     scale = tl.load(s_ptr + rn)  # [BN] fp32
+    if GROUP == 16:
+        acc = tl.sum(acc, axis=3)  # [BM, BN, G]: a word's 4 chains
     y = tl.sum(acc, axis=2) * scale[None, :]  # [BM, BN]: the groups (lanes and warps) reduced once
     out = out_ptr + pid_k.to(tl.int64) * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
@@ -218,8 +253,10 @@ class Fp8GemvConfig:
     through shared memory every step. Registers per thread grow with block_m * block_n (the accumulator) and
     block_n * block_k / (32 * num_warps) (the weight bytes, twice: the next step is in flight). ``num_stages`` is
     passed to Triton (the loop has no ``tl.dot``; the prefetch is done by hand, in registers). ``split_k``: None =
-    chosen from the grid and the SM count, 1 = never, S = at most S splits. Sizes are powers of two (ValueError
-    otherwise)."""
+    chosen from the grid and the SM count, 1 = never, S = at most S splits. ``group``: K elements each thread
+    holds per row and step, 8 (two words, one 8-byte load) or 16 (four words, one 16-byte load, x as two 16-byte
+    loads; the form that took the W4A16 gemv from 51-62 % to 59-66 % of the read ceiling; keep block_k a multiple
+    of 512 * num_warps for it). Sizes are powers of two (ValueError otherwise)."""
 
     block_m: int
     block_n: int
@@ -227,15 +264,17 @@ class Fp8GemvConfig:
     num_warps: int
     num_stages: int = 1
     split_k: int | None = None
+    group: int = 8
 
     def __post_init__(self) -> None:
         ok = all(_pow2(v) for v in (self.block_m, self.block_n, self.block_k, self.num_warps))
         ok = ok and self.block_k >= 16 and isinstance(self.num_stages, int) and self.num_stages >= 1
         ok = ok and (self.split_k is None or (isinstance(self.split_k, int) and self.split_k >= 1))
+        ok = ok and self.group in (8, 16)
         if not ok:
             raise ValueError(
                 f"bad Fp8GemvConfig {self}: block_m, block_n, block_k and num_warps must be powers of two, "
-                "block_k >= 16, num_stages >= 1, split_k None or >= 1"
+                "block_k >= 16, num_stages >= 1, split_k None or >= 1, group 8 or 16"
             )
 
 
@@ -355,7 +394,8 @@ def fp8_gemv(
         x, words, scale, target,
         M, N, K,
         x.stride(0), words.stride(0), 0 if split == 1 else target.stride(0), N, k_per_split,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ASM=_asm(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=min(cfg.group, bk), ASM=_asm(x.device), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return out if split == 1 else _finish_split(target, out)  # the W4A16 GEMM's fixed-order reduce
 
@@ -418,6 +458,12 @@ SWEEP_CONFIGS: tuple[Fp8GemvConfig | None, ...] = (
     Fp8GemvConfig(block_m=8, block_n=8, block_k=1024, num_warps=4, split_k=1),
     Fp8GemvConfig(block_m=8, block_n=8, block_k=1024, num_warps=4, split_k=2),
     Fp8GemvConfig(block_m=8, block_n=16, block_k=1024, num_warps=4, split_k=2),
+    # 16-byte groups (12-01h, not yet timed): steps of 512 * num_warps keep x in the weight's layout. At most 2
+    # rows of x per program: 8 rows spill (an sm_90 compile of 8 x 4 x 2048: 255 registers + 424 bytes of stack)
+    Fp8GemvConfig(block_m=2, block_n=4, block_k=2048, num_warps=4, group=16),
+    Fp8GemvConfig(block_m=2, block_n=8, block_k=2048, num_warps=4, group=16),
+    Fp8GemvConfig(block_m=2, block_n=4, block_k=4096, num_warps=8, group=16),
+    Fp8GemvConfig(block_m=2, block_n=2, block_k=2048, num_warps=4, group=16),
 )
 SWEEP_WARMUP_MS = 5  # triton.testing.do_bench times (ms): ~25 ms per measurement keeps the sweep near a minute
 SWEEP_REP_MS = 20
