@@ -568,14 +568,14 @@ def test_quantised_moe_sweep_flow_on_cpu(monkeypatch):
 
 
 def test_moe_main_bad_input_exits_2_with_one_line(capsys, monkeypatch):
-    """``python3 -m perfkit.kernels.moe``: no GPU, --swap without --tiles --quant, a bad --tokens: one stderr line,
+    """``python3 -m perfkit.kernels.moe``: no GPU, --candidates without --tiles --quant, a bad --tokens: one stderr line,
     exit 2; no mode: the help, exit 2."""
     from perfkit.kernels.moe import _main
 
     cases = [
         (["--tiles", "--quant", "nvfp4"], False, "tile sweep needs a CUDA GPU"),
         (["--sweep"], False, "sweep needs a CUDA GPU"),
-        (["--tiles", "--swap"], True, "--swap goes with --tiles --quant"),
+        (["--tiles", "--candidates"], True, "--candidates goes with --tiles --quant"),
         (["--sweep", "--tokens", "16,x"], True, "--tokens '16,x'"),
         (["--tiles", "--quant", "fp8", "--tokens", "0"], True, "positive integers"),
     ]

@@ -418,22 +418,28 @@ def test_w4a16_dot_scale_modes(scale_mode):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_w4a16_dot_swap_ab(dtype):
-    """The transposed dot (swap_ab: out^T = W x^T, acc transposed in the epilogue) against the reference: rows
-    past M, columns past N (N 40 in a 64-row weight tile), K tails, split-K, per-column global scales; fp32 is
-    within 1e-6 of the plain form (the same products; the dot may sum them in another order)."""
+@pytest.mark.parametrize("swap_ab,scales_ahead", [(True, False), (False, True), (True, True)])
+def test_w4a16_dot_swap_ab_and_scales_ahead(dtype, swap_ab, scales_ahead):
+    """The transposed dot (swap_ab: out^T = W x^T, acc transposed in the epilogue) and the scales loaded a step
+    ahead, against the reference: rows past M, columns past N (N 40 in a 64-row weight tile), K tails (EVEN_K off
+    and on), split-K, per-column global scales, both scale modes. scales_ahead alone is the plain kernel bit for
+    bit (the same values in the same order); fp32 swap_ab within 1e-6 of it (the dot may sum in another order)."""
     x, q, s, gs = _operands(5, 40, 208, dtype, seed=3, per_row_gs=True)
-    swap = W4A16Config(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1, swap_ab=True)
-    for cfg in (swap, dataclasses.replace(swap, block_k=32, split_k=3)):
-        out = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=cfg, path="dot")
-        _assert_w4a16_close(out, x, q, s, gs)
-    if dtype == torch.float32:
-        plain = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=dataclasses.replace(swap, swap_ab=False),
-                           path="dot")  # fmt: skip
-        torch.testing.assert_close(w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=swap, path="dot"), plain,
-                                   atol=1e-6, rtol=1e-6)  # fmt: skip
-    with pytest.raises(ValueError, match="swap_ab: the dot path only"):
-        w4a16_gemm(x, q, s, gs, config=dataclasses.replace(swap, block_m=4), path="gemv")
+    cfg0 = W4A16Config(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1, swap_ab=swap_ab,
+                       scales_ahead=scales_ahead)  # fmt: skip
+    plain_cfg = dataclasses.replace(cfg0, swap_ab=False, scales_ahead=False)
+    for cfg in (cfg0, dataclasses.replace(cfg0, block_k=32, split_k=3), dataclasses.replace(cfg0, block_k=16)):
+        for mode in ("broadcast", "gather"):
+            out = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=cfg, path="dot", scale_mode=mode)
+            _assert_w4a16_close(out, x, q, s, gs)
+            plain = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=dataclasses.replace(
+                plain_cfg, block_k=cfg.block_k, split_k=cfg.split_k), path="dot", scale_mode=mode)  # fmt: skip
+            if not swap_ab:
+                assert torch.equal(out, plain)
+            elif dtype == torch.float32:
+                torch.testing.assert_close(out, plain, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="swap_ab / scales_ahead: the dot path only"):
+        w4a16_gemm(x, q, s, gs, config=dataclasses.replace(cfg0, block_m=4), path="gemv")
 
 
 def test_w4a16_paths_and_configs():
@@ -732,20 +738,26 @@ def test_fused_moe_quantized_matches_reference(scheme, dtype, T, block_m):
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("T", [3, 40])
-def test_fused_moe_quantized_swap_ab_matches_reference(scheme, T):
+def test_fused_moe_quantized_swap_ab_and_scales_ahead_match_reference(scheme, T):
     """The transposed sorted GEMMs (SWAP_AB: weight rows on the dot's M side, the block's rows on its N side,
-    acc transposed in the epilogue) against fused_moe_ref: K tails, partial blocks, N tiles past the rows; and
-    an unknown tile key is an error."""
+    acc transposed in the epilogue) and the block scales loaded a step ahead (SCALES_AHEAD), alone and together,
+    against fused_moe_ref: K tails (inter 48 in 32-wide steps), partial blocks, N tiles past the rows.
+    SCALES_AHEAD alone gives the default tiles' output bit for bit; an unknown tile key is an error."""
     from perfkit.kernels.moe import fused_moe_quantized, fused_moe_ref
 
     E, H, inter, K = 6, 64, 48, 2
     e = _quant_experts(scheme, E, H, inter, seed=3)
     x, w, idx = _routed(T, H, E, K, torch.Generator().manual_seed(4))
     gu, dn = e.quant_weights("gate_up_proj"), e.quant_weights("down_proj")
-    swap = {"SWAP_AB": True, "BLOCK_N": 64, "BLOCK_K": 32}  # gate_up: 64 > I = 48 rows; down: one 64-row tile
-    y = fused_moe_quantized(x, gu, dn, w, idx, gate_up_tiles=swap, down_tiles=swap)
     ref = fused_moe_ref(x, gu.dequantize(), dn.dequantize(), w, idx)
-    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    base = {"BLOCK_N": 64, "BLOCK_K": 32}  # gate_up: 64 > I = 48 rows; down: one 64-row tile
+    plain = fused_moe_quantized(x, gu, dn, w, idx, gate_up_tiles=base, down_tiles=base)
+    for extra in ({"SWAP_AB": True}, {"SCALES_AHEAD": True}, {"SWAP_AB": True, "SCALES_AHEAD": True}):
+        t = {**base, **extra}
+        y = fused_moe_quantized(x, gu, dn, w, idx, gate_up_tiles=t, down_tiles=t)
+        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+        if "SWAP_AB" not in extra:
+            assert torch.equal(y, plain)
     with pytest.raises(ValueError, match="unknown tile keys"):
         fused_moe_quantized(x, gu, dn, w, idx, down_tiles={"BLOCK_M": 32})
 

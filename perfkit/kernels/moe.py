@@ -285,6 +285,7 @@ def _moe_gemm_q_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    SCALES_AHEAD: tl.constexpr,
 ):
     """_moe_gemm_kernel with quantised expert weights, dequantised in registers (module doc, "Quantised
     experts"): each [BLOCK_N, BLOCK_K] weight tile is decoded once per program step and fed to one tensor-core dot
@@ -294,7 +295,12 @@ def _moe_gemm_q_kernel(
     first operand (its M side, BLOCK_N >= 64 fills a Hopper warpgroup MMA) and the few rows of one expert's block
     its N side, instead of 16 padded rows of which decode fills ~4. The accumulators are transposed once, in the
     epilogue. Why: the skinny W4A16 GEMMs of decode put the weights on the MMA's M side (Marlin, machete); the
-    sorted GEMMs ran at ~20 % of their bound with every tile of the plain form (H200 12-01h)."""
+    sorted GEMMs ran at ~20 % of their bound with every tile of the plain form (H200 12-01h).
+
+    SCALES_AHEAD (NVFP4) loads the next K step's block scales into registers before this step's decode. Triton's
+    pipeliner moves the weight words and A through cp.async stages but leaves the 1-byte scale loads in the loop
+    (cp.async moves 4 bytes or more: a plain ``tt.load`` in the sm_90 TTGIR, 12-01h), so without it every step
+    waits a global-memory latency for its scales (the W4A16 dot kernel's ``scales_ahead``)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -321,6 +327,10 @@ def _moe_gemm_q_kernel(
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if NVFP4 and SCALES_AHEAD:  # the first step's raw scales (gate rows, and the up rows with GELU_MUL)
+            s_next = _q_scales(s_ptrs, 0, Kd, g)
+            if GELU_MUL:
+                su_next = _q_scales(s_ptrs + N * stride_sn, 0, Kd, g)
         for k0 in range(0, Kd, BLOCK_K):
             km = offs_k < Kd - k0
             a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
@@ -329,7 +339,17 @@ def _moe_gemm_q_kernel(
             if NVFP4:
                 g_ok = (k0 // 16 + g) < Kd // 16
                 w = tl.load(w_ptrs, mask=g_ok[None, :, None], other=0)
-                sf = (_e4m3_times_2m8(tl.load(s_ptrs, mask=g_ok[None, :], other=0)) * 4194304.0)[:, :, None]
+                if SCALES_AHEAD:  # this step's scales came a step ahead; the next step's are loaded now
+                    sr = s_next
+                    s_next = _q_scales(s_ptrs + G, k0 + BLOCK_K, Kd, g)  # zeros past Kd
+                    if GELU_MUL:
+                        su = su_next
+                        su_next = _q_scales(s_ptrs + N * stride_sn + G, k0 + BLOCK_K, Kd, g)
+                else:
+                    sr = _q_scales(s_ptrs, k0, Kd, g)
+                    if GELU_MUL:
+                        su = _q_scales(s_ptrs + N * stride_sn, k0, Kd, g)
+                sf = (_e4m3_times_2m8(sr) * 4194304.0)[:, :, None]
                 tile = _dequant_tile(w.to(tl.uint32, bitcast=True), sf, ASM)  # [BN, BK] fp32, exact
             else:
                 tile = tl.load(w_ptrs, mask=km[None, :], other=0.0).to(tl.float32)  # e4m3 -> fp32, exact
@@ -337,7 +357,6 @@ def _moe_gemm_q_kernel(
             if GELU_MUL:  # the up rows [N, 2N) of the same expert
                 if NVFP4:
                     wu = tl.load(w_ptrs + N * stride_wn, mask=g_ok[None, :, None], other=0)
-                    su = tl.load(s_ptrs + N * stride_sn, mask=g_ok[None, :], other=0)
                     tile = _dequant_tile(
                         wu.to(tl.uint32, bitcast=True), (_e4m3_times_2m8(su) * 4194304.0)[:, :, None], ASM
                     )
@@ -357,6 +376,12 @@ def _moe_gemm_q_kernel(
         if GELU_MUL:
             acc_u = acc_u * tl.load(rs_ptr + e64 * stride_re + N + rn)[None, :]
         _store_block(acc, acc_u, c_ptr, topw_ptr, ids, valid, offs_n, nmask, stride_cm, GELU_MUL, MUL_W)
+
+
+@triton.jit
+def _q_scales(s_ptrs, k0, Kd, g):
+    """Raw e4m3 block scales [BN, G] of the K step at k0, zeros past Kd (the tail and the look-ahead past it)."""
+    return tl.load(s_ptrs, mask=((k0 // 16 + g) < Kd // 16)[None, :], other=0)
 
 
 @triton.jit
@@ -830,7 +855,7 @@ def _moe_gemm_q(
         a, w, s, rs, out, sorted_ids, block_expert, w_flat,
         n, kd, E, w_flat.numel(), top_k, a.stride(0), w.stride(0), w.stride(1), *s_strides, rs.stride(0),
         out.stride(0), A_BY_TOKEN=gate_up, GELU_MUL=gate_up, MUL_W=not gate_up, NVFP4=wq.fmt == "nvfp4",
-        IEEE=a.dtype == torch.float32 or interpreting(), ASM=_asm(), **{"SWAP_AB": False, **tiles},
+        IEEE=a.dtype == torch.float32 or interpreting(), ASM=_asm(), **{"SWAP_AB": False, "SCALES_AHEAD": False, **tiles},
     )  # fmt: skip
     return out
 
@@ -839,9 +864,9 @@ def _sorted_tiles(t: dict[str, int], override: dict[str, int] | None, n: int, kd
     """The quantised sorted GEMM's tiles with a per-call override merged in (BLOCK_M stays the align step's)."""
     if not override:
         return t
-    bad = sorted(set(override) - {*_TILE_KEYS, "SWAP_AB"})
+    bad = sorted(set(override) - {*_TILE_KEYS, "SWAP_AB", "SCALES_AHEAD"})
     if bad:
-        raise ValueError(f"unknown tile keys {bad}; allowed: {', '.join(_TILE_KEYS)}, SWAP_AB")
+        raise ValueError(f"unknown tile keys {bad}; allowed: {', '.join(_TILE_KEYS)}, SWAP_AB, SCALES_AHEAD")
     return _fit({**t, **override}, n, kd)
 
 
@@ -912,8 +937,8 @@ def fused_moe_quantized(
     [E, 2I, H], down [E, H, I] (logical shapes), topk_w / topk_idx [T, K] -> [T, H] in x's dtype. Any T, no host
     sync (CUDA-graph capturable). ``path``: "sorted" (grouped tensor-core GEMMs, any format) or "gather" (NVFP4
     with bf16 x: the two gather kernels, for decode-sized T*K; ``gather_w4a16_fits``). gate_up_tiles /
-    down_tiles: the sorted GEMMs' tiles, any of {BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP_AB} over the
-    defaults (``_tiles``; for sweeps and tests)."""
+    down_tiles: the sorted GEMMs' tiles, any of {BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP_AB, SCALES_AHEAD}
+    over the defaults (``_tiles``; for sweeps and tests)."""
     if path not in ("sorted", "gather"):
         raise ValueError(f"path {path!r} must be 'sorted' or 'gather'")
     T, H = x.shape
@@ -1263,16 +1288,26 @@ QUANT_TILE_GRID: tuple[dict[str, int], ...] = tuple(
     for w in (4, 8)
     for st in (2, 4)
 )
-# The transposed form (``SWAP_AB``: weight rows on the MMA's M side, 64 or 128 of them) beside the two
-# QUANT_DECODE_TILES it would replace: ``--tiles --quant nvfp4 --swap`` (18 per kernel and BLOCK_M).
-QUANT_SWAP_GRID: tuple[dict[str, int], ...] = tuple(
-    {k: v for k, v in t.items() if k != "BLOCK_M"} for t in QUANT_DECODE_TILES.values()
-) + tuple(
-    {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st, "SWAP_AB": True}
-    for n in (64, 128)
-    for k in (64, 128)
-    for w in (4, 8)
-    for st in (2, 4)
+# The next candidates beside the two QUANT_DECODE_TILES they would replace (12-01h, not yet timed):
+# ``--tiles --quant nvfp4 --candidates`` (24 per kernel and BLOCK_M). The same tiles with their block scales a
+# step ahead (``SCALES_AHEAD``), and the transposed form (``SWAP_AB``: weight rows on the MMA's M side, 64 or 128
+# of them), a few of them with the scales ahead too.
+_DECODE_TILE_GRID = tuple({k: v for k, v in t.items() if k != "BLOCK_M"} for t in QUANT_DECODE_TILES.values())
+QUANT_CANDIDATE_GRID: tuple[dict[str, int], ...] = (
+    _DECODE_TILE_GRID
+    + tuple({**t, "SCALES_AHEAD": True} for t in _DECODE_TILE_GRID)
+    + tuple(
+        {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st, "SWAP_AB": True}
+        for n in (64, 128)
+        for k in (64, 128)
+        for w in (4, 8)
+        for st in (2, 4)
+    )
+    + tuple(
+        {"BLOCK_N": n, "BLOCK_K": 64, "num_warps": 4, "num_stages": st, "SWAP_AB": True, "SCALES_AHEAD": True}
+        for n in (64, 128)
+        for st in (2, 4)
+    )
 )
 
 
@@ -1389,16 +1424,17 @@ def _main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument("--tokens", default=None, help="comma-separated batch sizes T")
     ap.add_argument(
-        "--swap", action="store_true",
-        help="with --tiles --quant: the transposed (SWAP_AB) tiles beside the defaults instead of the full grid",
+        "--candidates", action="store_true",
+        help="with --tiles --quant: QUANT_CANDIDATE_GRID (SCALES_AHEAD, SWAP_AB) beside the defaults, not the full grid",
     )  # fmt: skip
     ap.add_argument(
         "--quant", choices=QUANT_EXPERT_FORMATS, default=None,
         help="with --sweep: quantised experts (sorted vs gather for nvfp4) instead of bf16",
     )  # fmt: skip
     args = ap.parse_args(argv)
-    if args.swap and not (args.tiles and args.quant):
-        print("--swap goes with --tiles --quant nvfp4|fp8 (the quantised sorted GEMMs' tile sweep)", file=sys.stderr)
+    if args.candidates and not (args.tiles and args.quant):
+        print("--candidates goes with --tiles --quant nvfp4|fp8 (the quantised sorted GEMMs' tile sweep)",
+              file=sys.stderr)  # fmt: skip
         return 2
     if not (args.sweep or args.tiles):
         ap.print_help()
@@ -1413,7 +1449,7 @@ def _main(argv: list[str] | None = None) -> int:
         return 2
     if args.tiles:
         if args.quant:
-            quant_tile_sweep(tokens, args.quant, grid=QUANT_SWAP_GRID if args.swap else QUANT_TILE_GRID)
+            quant_tile_sweep(tokens, args.quant, grid=QUANT_CANDIDATE_GRID if args.candidates else QUANT_TILE_GRID)
         else:
             tile_sweep()
         return 0

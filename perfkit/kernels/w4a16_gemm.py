@@ -505,6 +505,16 @@ def _w4a16_splitk_reduce_kernel(
 
 
 @triton.jit
+def _dot_scales(s_ptrs, k0, k_hi, g, GATHER_SCALES: tl.constexpr):
+    """The dot path's raw block scales of the K step at k0: [BN, G] (or [BN, G, 2] with GATHER_SCALES), zeros past
+    k_hi (the K tail, and the look-ahead past the last step)."""
+    g_ok = (k0 // 16 + g) < k_hi // 16
+    if GATHER_SCALES:
+        return tl.load(s_ptrs, mask=g_ok[None, :, None], other=0)
+    return tl.load(s_ptrs, mask=g_ok[None, :], other=0)
+
+
+@triton.jit
 def _w4a16_dot_kernel(
     x_ptr,  # [M, K] activations, unit stride along K
     w_ptr,  # [N, K/8] int32 words of the packed weight
@@ -531,6 +541,7 @@ def _w4a16_dot_kernel(
     IEEE: tl.constexpr,
     ASM: tl.constexpr,
     SWAP_AB: tl.constexpr,  # out^T [BN, BM] = W x^T: the weight tile on the dot's M side (W4A16Config.swap_ab)
+    SCALES_AHEAD: tl.constexpr,  # the next step's block scales loaded a step ahead (W4A16Config.scales_ahead)
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -564,19 +575,23 @@ def _w4a16_dot_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SCALES_AHEAD:  # the first step's scales; each step then loads the next one's before its own math
+        s_next = _dot_scales(s_ptrs, k_lo, k_hi, g, GATHER_SCALES)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
-            s = tl.load(s_ptrs)
             x = tl.load(x_ptrs)
         else:
             g_ok = (k0 // 16 + g) < k_hi // 16
             w = tl.load(w_ptrs, mask=g_ok[None, :, None], other=0)
-            if GATHER_SCALES:
-                s = tl.load(s_ptrs, mask=g_ok[None, :, None], other=0)
-            else:
-                s = tl.load(s_ptrs, mask=g_ok[None, :], other=0)
             x = tl.load(x_ptrs, mask=(k0 + kk < k_hi)[None, :], other=0.0)
+        if SCALES_AHEAD:
+            s = s_next
+            s_next = _dot_scales(s_ptrs + G, k0 + BLOCK_K, k_hi, g, GATHER_SCALES)  # zeros past k_hi
+        elif EVEN_K:
+            s = tl.load(s_ptrs)
+        else:
+            s = _dot_scales(s_ptrs, k0, k_hi, g, GATHER_SCALES)
         sf = _e4m3_times_2m8(s) * 4194304.0
         if not GATHER_SCALES:
             sf = sf[:, :, None]
@@ -673,7 +688,11 @@ class W4A16Config:
     always two steps ahead, no split-K; ``block_n >= 2``, ``block_k >= 32``); other problems run the narrow
     kernel with the same tile. ``swap_ab`` (dot): the transposed product, out^T = W x^T, so the weight tile is the
     MMA's first operand (``block_n`` >= 64 fills a Hopper warpgroup MMA) and the few decode rows its N side, as
-    Marlin / machete do for skinny W4A16 GEMMs; the accumulator is transposed once, in the epilogue."""
+    Marlin / machete do for skinny W4A16 GEMMs; the accumulator is transposed once, in the epilogue.
+    ``scales_ahead`` (dot): each K step loads the next step's block scales into registers before its own decode.
+    Why: Triton's pipeliner moves the weight words and x through cp.async stages, but leaves the 1-byte scale
+    loads in the loop (cp.async moves 4 bytes or more; the sm_90 TTGIR of 12-01h shows them as a plain
+    ``tt.load``), so without it every step waits a global-memory latency for its scales before it can decode."""
 
     block_m: int
     block_n: int
@@ -684,6 +703,7 @@ class W4A16Config:
     prefetch: int = 1
     wide: bool = False
     swap_ab: bool = False
+    scales_ahead: bool = False
 
 
 # gemv: 4 weight rows x 512 K = 1 KB of weight per program and step, two more steps in flight (prefetch=2):
@@ -767,13 +787,13 @@ def _validate_config(cfg: W4A16Config, path: str) -> None:
     ok = ok and pow2(cfg.block_m) and (path != "dot" or cfg.block_m >= 16) and pow2(cfg.num_warps)
     ok = ok and (cfg.split_k is None or cfg.split_k >= 1) and cfg.num_stages >= 1 and cfg.prefetch in (1, 2)
     ok = ok and (not cfg.wide or (path == "gemv" and cfg.block_n >= 2 and cfg.block_k >= 32))
-    ok = ok and (not cfg.swap_ab or path == "dot")
+    ok = ok and (not (cfg.swap_ab or cfg.scales_ahead) or path == "dot")
     if not ok:
         raise ValueError(
             f"bad {path} config {cfg}: block sizes must be powers of two, block_k >= 16, prefetch 1 or 2"
             + (", block_m and block_n >= 16" if path == "dot" else "")
             + ("; wide: the gemv path only, block_n >= 2, block_k >= 32" if cfg.wide else "")
-            + ("; swap_ab: the dot path only" if cfg.swap_ab else "")
+            + ("; swap_ab / scales_ahead: the dot path only" if cfg.swap_ab or cfg.scales_ahead else "")
         )
 
 
@@ -933,6 +953,7 @@ def _launch_dot(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=DOT_GROUP_M,
         EVEN_K=K % cfg.block_k == 0, GATHER_SCALES=gather_scales,
         IEEE=x.dtype == torch.float32 or interpreting(), ASM=_asm(), SWAP_AB=cfg.swap_ab,
+        SCALES_AHEAD=cfg.scales_ahead,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out if split == 1 else _finish_split(target, out)
@@ -1317,11 +1338,16 @@ SWEEP_CONFIGS: dict[str, tuple[W4A16Config | None, ...]] = {
         W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),
         W4A16Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3),
         W4A16Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, split_k=1),
-        # the transposed form (swap_ab; 12-01h, not yet timed): weight rows on the wgmma's M side
+        # 12-01h, not yet timed: the default tiles with their scales a step ahead (scales_ahead), and the
+        # transposed form (swap_ab, weight rows on the wgmma's M side) with and without it
+        W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, scales_ahead=True),
+        W4A16Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, scales_ahead=True),
         W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap_ab=True),
+        W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap_ab=True, scales_ahead=True),
         W4A16Config(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3, swap_ab=True),
         W4A16Config(block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=3, swap_ab=True),
         W4A16Config(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, swap_ab=True),
+        W4A16Config(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, swap_ab=True, scales_ahead=True),
         W4A16Config(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3, swap_ab=True),
     ),
     "dequant_mm": (None,),
