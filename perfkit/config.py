@@ -78,6 +78,14 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "weight and combine in torch, up to 64 pairs (gemv), vs two Triton kernels that fuse them, up to 256 pairs "
         "(kernels); larger batches take the sorted grouped GEMMs either way; no effect on other experts",
     ),
+    "moe_prefill": (
+        ("quantized", "dequant"),
+        "quantized",
+        "NVFP4 / FP8 MoE experts at prefill sizes (at or above QuantizedExperts.dequant_min_pairs routed pairs, 4096 "
+        "= 512 tokens at top-8): the grouped GEMMs that dequantise each weight tile in registers (quantized) vs "
+        "every expert dequantised into a bf16 scratch once per layer, then the bf16 grouped GEMMs (dequant); no "
+        "effect on other experts",
+    ),
     "attention": (
         ("auto", "flashinfer", "torch"),
         "auto",
@@ -113,6 +121,7 @@ class Toggles(BaseModel):
     nvtx: Literal["on", "off"] = "on"
     overlap: Literal["on", "off"] = "on"
     moe_gather: Literal["gemv", "kernels"] = "kernels"
+    moe_prefill: Literal["quantized", "dequant"] = "quantized"
     attention: Literal["auto", "flashinfer", "torch"] = "auto"
 
     @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", mode="before")
@@ -134,6 +143,7 @@ class PartialToggles(BaseModel):
     nvtx: Literal["on", "off"] | None = None
     overlap: Literal["on", "off"] | None = None
     moe_gather: Literal["gemv", "kernels"] | None = None
+    moe_prefill: Literal["quantized", "dequant"] | None = None
     attention: Literal["auto", "flashinfer", "torch"] | None = None
 
     @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", mode="before")

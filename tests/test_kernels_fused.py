@@ -544,7 +544,8 @@ def test_fused_moe_dispatch(monkeypatch):
 
 def test_quantised_moe_sweep_flow_on_cpu(monkeypatch):
     """The GPU sweep of quantised experts (``python3 -m perfkit.kernels.moe --sweep --quant nvfp4``) at toy shapes
-    on CPU, timers stubbed: NVFP4 times sorted and gather per T, FP8 sorted only; each row correct against the
+    on CPU, timers stubbed: NVFP4 times sorted and gather per T (gather up to 1024 pairs, dequant from 256), FP8
+    sorted only; each row correct against the
     reference on the dequantised weights, with its bound; ``quantize_experts`` gives gate and up their own global
     scale, as ``QuantizedExperts.from_experts`` stores them."""
     import io
@@ -560,6 +561,9 @@ def test_quantised_moe_sweep_flow_on_cpu(monkeypatch):
     assert all(r["gather_worst_bound_ms"] >= r["bound_ms"] for r in rows if r["path"] == "gather")
     fp8 = moe.quant_sweep((2,), "fp8", file=io.StringIO(), **shape)
     assert [r["path"] for r in fp8] == ["sorted"] and fp8[0]["rel_err_vs_ref"] < 2e-2
+    big = moe.quant_sweep((520,), "nvfp4", file=io.StringIO(), **shape)  # 1040 pairs: dequant, no gather
+    assert [r["path"] for r in big] == ["sorted", "dequant"] and all(r["rel_err_vs_ref"] < 2e-2 for r in big)
+    assert big[1]["bound_ms"] == big[0]["bound_ms"]  # the operation's bound, whichever path
     gu, dn = moe.quantize_experts(torch.randn(2, 64, 32) * torch.tensor([1.0] * 32 + [8.0] * 32)[None, :, None],
                                   torch.randn(2, 32, 32), "nvfp4")  # fmt: skip
     assert gu.row_scale[:, 0].ne(gu.row_scale[:, 32]).all() and dn.row_scale.eq(dn.row_scale[:, :1]).all()

@@ -662,6 +662,24 @@ def test_nvfp4_model_matches_dequantized_model(preset):
         assert len(report.kept) == 6 and all("router" in k for k in report.kept)
 
 
+@pytest.mark.parametrize("scheme", ["nvfp4", "fp8"])
+def test_moe_prefill_dequant_model_logits_match(scheme, monkeypatch):
+    """A whole quantised tiny-moe prefill of 40 tokens (80 routed pairs) with moe_prefill=dequant at a threshold
+    it crosses: the same logits (fp32: to accumulation order) as the quantized arm, and for NVFP4 as the
+    dequantised model."""
+    monkeypatch.setattr(QuantizedExperts, "dequant_min_pairs", 16)
+    q, ref, _, _ = _pair("tiny-moe", scheme)
+    if not all(m.backend in ("w4a16-triton", "fp8-triton") for m in q.modules() if isinstance(m, QuantizedExperts)):
+        pytest.skip("the torch expert backends (CPU without the interpreter) have no dequant path")
+    q.set_moe_prefill("quantized")
+    lq = _logits(q, PROMPT)
+    assert q.set_moe_prefill("dequant")
+    ld = _logits(q, PROMPT)
+    assert (ld - lq).abs().max().item() < 1e-4
+    if scheme == "nvfp4":  # (FP8's W8A8 linears quantise x, so its dequantised twin differs more)
+        assert (ld - _logits(ref, PROMPT)).abs().max().item() < 1e-4
+
+
 def test_moe_gather_and_sorted_paths_agree():
     q, ref, _, _ = _pair("tiny-moe", "nvfp4", seed=2)
     layer = q.layers[0]
@@ -696,6 +714,44 @@ def test_moe_gather_toggle_reaches_the_quantised_experts():
     assert eng.toggles()["moe_gather"] == "gemv" and not any(m.gather_kernels for m in experts)
     with pytest.raises(PerfkitError, match="unknown toggle"):
         eng.set_toggle("moe_gather", "fast")
+
+
+def test_moe_prefill_toggle_routes_prefill_sizes_to_the_dequant_path(monkeypatch):
+    """Toggle moe_prefill: the model sets prefill_dequant on its quantised experts, the engine reports and switches
+    it live; with dequant, pairs at or above dequant_min_pairs take fused_moe_quantized(path="dequant") and fewer
+    stay on the sorted GEMMs; the quantized arm never takes it; a bad value is refused."""
+    import perfkit.runtime.quant as quant_mod
+    from perfkit.runtime.engine import Engine, EngineConfig
+
+    q, _, base, _ = _pair("tiny-moe", "nvfp4")
+    experts = [m for m in q.modules() if isinstance(m, QuantizedExperts)]
+    assert experts and q.set_moe_prefill("dequant") and all(m.prefill_dequant for m in experts)
+    assert not base.set_moe_prefill("dequant")
+    with pytest.raises(ValueError, match="moe_prefill"):
+        q.set_moe_prefill("fast")
+    e = experts[0]
+    paths = []
+    monkeypatch.setattr(quant_mod, "fused_moe_quantized", lambda x, *a, path="sorted", **k: paths.append(path) or x)
+    monkeypatch.setattr(e, "backend", "w4a16-triton")
+    monkeypatch.setattr(e, "dequant_min_pairs", 8)
+    monkeypatch.setattr(e, "gather_kernels", False)
+    H = e.hidden
+    for T, K in ((40, 2), (3, 2)):  # 80 pairs (>= 8 and above the gemv gather's 64), 6 pairs
+        idx = torch.zeros(T, K, dtype=torch.long)
+        e(torch.zeros(T, H), idx, torch.ones(T, K))
+    assert paths == ["dequant"]  # 6 pairs: the gemv gather (not fused_moe_quantized)
+    e.prefill_dequant = False
+    e(torch.zeros(40, H), torch.zeros(40, 2, dtype=torch.long), torch.ones(40, 2))
+    assert paths == ["dequant", "sorted"]
+    ec = EngineConfig(
+        attention="torch", page_size=4, num_kv_pages=64, cuda_graphs=False, mask="dense", max_model_len=64
+    )
+    eng = Engine(q, get_preset("tiny-moe"), ec)  # the default, quantized, set on the experts
+    assert eng.toggles()["moe_prefill"] == "quantized" and not any(m.prefill_dequant for m in experts)
+    eng.set_toggle("moe_prefill", "dequant")
+    assert eng.toggles()["moe_prefill"] == "dequant" and all(m.prefill_dequant for m in experts)
+    with pytest.raises(PerfkitError, match="unknown toggle"):
+        eng.set_toggle("moe_prefill", "fast")
 
 
 def _quant_experts(scheme: str, E: int, H: int, inter: int, seed: int, device: str = DEVICE) -> QuantizedExperts:
@@ -734,6 +790,37 @@ def test_fused_moe_quantized_matches_reference(scheme, dtype, T, block_m):
         torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
     else:  # act / y / out roundings (outputs ~0.02: a relative norm, not an absolute tolerance of that size)
         assert rel(y.float(), ref) < 1.5e-2
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [3, 40])
+def test_fused_moe_quantized_dequant_path_matches_reference(scheme, dtype, T):
+    """path="dequant" (every expert dequantised into a scratch in x's dtype without its row scale, then the bf16
+    path's grouped GEMMs with the row scales in their epilogues) against fused_moe_ref and the sorted path: gate
+    and up rows with different global scales, K tails, partial blocks; the scratch is exact (dequantize_experts
+    times the row scale is the reference's weights)."""
+    from perfkit.kernels.moe import QUANT_MOE_PATHS, dequantize_experts, fused_moe_quantized, fused_moe_ref
+
+    E, H, inter, K = 6, 64, 48, 2
+    e = _quant_experts(scheme, E, H, inter, seed=3)
+    x, w, idx = _routed(T, H, E, K, torch.Generator().manual_seed(4), dtype)
+    gu, dn = e.quant_weights("gate_up_proj"), e.quant_weights("down_proj")
+    for wq in (gu, dn):
+        torch.testing.assert_close(dequantize_experts(wq, torch.float32) * wq.row_scale[..., None], wq.dequantize(),
+                                   atol=0, rtol=0)  # fmt: skip
+        assert dequantize_experts(wq, torch.bfloat16).dtype == torch.bfloat16
+    y = fused_moe_quantized(x, gu, dn, w, idx, path="dequant")
+    ref = fused_moe_ref(x.float(), gu.dequantize(), dn.dequantize(), w, idx)
+    assert y.dtype == dtype and y.shape == (T, H)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    else:
+        assert rel(y.float(), ref) < 1.5e-2
+        assert rel(y.float(), fused_moe_quantized(x, gu, dn, w, idx).float()) < 1e-2  # the same roundings
+    assert QUANT_MOE_PATHS == ("sorted", "gather", "dequant")
+    with pytest.raises(ValueError, match="'sorted', 'gather', 'dequant'"):
+        fused_moe_quantized(x, gu, dn, w, idx, path="dense")
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "fp8"])
@@ -790,7 +877,7 @@ def test_fused_moe_quantized_gather_path_matches_reference(T, H, inter, K):
     f8 = _quant_experts("fp8", E, H, inter, seed=9)
     with pytest.raises(ValueError, match="gather path needs NVFP4"):
         fused_moe_quantized(x, f8.quant_weights("gate_up_proj"), f8.quant_weights("down_proj"), w, idx, path="gather")
-    with pytest.raises(ValueError, match="'sorted' or 'gather'"):
+    with pytest.raises(ValueError, match="'sorted', 'gather', 'dequant'"):
         fused_moe_quantized(x, gu, dn, w, idx, path="auto")
 
 
@@ -1055,7 +1142,8 @@ def test_gpu_w4a16_default_tiles_exact_and_deterministic():
 def test_gpu_quantized_experts_real_shapes_and_graph_capture(scheme):
     """26B-A4B expert shapes (E 128, H 2816, I 704, top-8) on the GPU: the grouped kernels (tensor-core dots on
     the exact dequantised tiles) against the fp32 reference at decode and prefill sizes, and a CUDA-graph capture
-    of the forward at T = 64 (the sorted side synced on the host before 12-01c, so no graph above batch 8)."""
+    of the forward at T = 64 (the sorted side synced on the host before 12-01c, so no graph above batch 8); the
+    dequant prefill path (toggle moe_prefill) at T = 512 against the reference and the sorted GEMMs."""
     from perfkit.kernels.moe import fused_moe_ref
 
     e = _quant_experts(scheme, 128, 2816, 704, seed=5, device="cuda")
@@ -1073,6 +1161,15 @@ def test_gpu_quantized_experts_real_shapes_and_graph_capture(scheme):
     w, idx = torch.topk(torch.randn(64, 128, device="cuda").softmax(-1), 8)
     _assert_graph_replays_eager(lambda: e(x, idx, w))
     assert e.gate_up_proj is gu and e.down_proj is dn
+    e.prefill_dequant = True  # toggle moe_prefill=dequant: 512 x 8 = 4096 pairs, dequant_min_pairs
+    x = torch.randn(512, 2816, device="cuda", generator=gen).to(torch.bfloat16)
+    w, idx = torch.topk(torch.randn(512, 128, device="cuda", generator=gen).softmax(-1), 8)
+    ref = fused_moe_ref(x.float(), *ref_w, w, idx)
+    dq = e(x, idx, w)
+    e.prefill_dequant = False
+    err, vs_sorted = rel(dq, ref), rel(dq.float(), e(x, idx, w).float())
+    print(f"{scheme} dequant T=512: rel err {err:.2e}, vs the sorted GEMMs {vs_sorted:.2e}")
+    assert err < 1e-2 and vs_sorted < 1e-2
 
 
 def _assert_graph_replays_eager(fn) -> None:

@@ -97,12 +97,14 @@ from perfkit.kernels.w4a16_gemm import (
     _wide_x,
     _words,
     dequantize_nvfp4,
+    dequantize_nvfp4_triton,
     quantize_nvfp4,
 )
 
 HBM_BYTES_PER_S = 4.3e12  # achievable H200 DRAM bandwidth used for "% of bound" (as in w4a16_gemm)
 MOE_PATHS = ("auto", "gather", "sorted")
 QUANT_EXPERT_FORMATS = ("nvfp4", "fp8")
+QUANT_MOE_PATHS = ("sorted", "gather", "dequant")  # fused_moe_quantized(path=)
 # path="auto": T*K at or below this takes the gather path. H200 sweep (docs/h200-runs/2026-12-01b/2-moe-sweep.txt):
 # gather beats sorted up to 64 pairs (T=8: 194 vs 214 us) and loses from 128 (T=16: 327 vs 298 us)
 MOE_GATHER_MAX_PAIRS = 64
@@ -212,11 +214,14 @@ def _moe_gemm_kernel(
     stride_bn,
     stride_bk,
     stride_cm,
+    rs_ptr,  # ROW_SCALE: fp32 [E, N or 2N] per-row scale (the dequantised experts' global / channel scale)
+    stride_re,
     A_BY_TOKEN: tl.constexpr,
     GELU_MUL: tl.constexpr,
     MUL_W: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter only: its bf16 tl.dot multiplies the raw uint16 bits
+    ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -250,6 +255,11 @@ def _moe_gemm_kernel(
                 acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_bk
+        if ROW_SCALE:  # as _moe_gemm_q_kernel's epilogue
+            rn = tl.minimum(offs_n, N - 1).to(tl.int64)
+            acc = acc * tl.load(rs_ptr + e.to(tl.int64) * stride_re + rn)[None, :]
+            if GELU_MUL:
+                acc_u = acc_u * tl.load(rs_ptr + e.to(tl.int64) * stride_re + N + rn)[None, :]
         _store_block(acc, acc_u, c_ptr, topw_ptr, ids, valid, offs_n, nmask, stride_cm, GELU_MUL, MUL_W)
 
 
@@ -737,8 +747,11 @@ def _fused_moe_sorted(
     topk_w: torch.Tensor,
     topk_idx: torch.Tensor,
     block_m: int | None = None,
+    row_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Prefill path: align (sort by expert), grouped gate_up and down GEMMs, combine (see module doc)."""
+    """Prefill path: align (sort by expert), grouped gate_up and down GEMMs, combine (see module doc).
+    ``row_scales``: fp32 [E, 2I] / [E, H] scales of the weights' rows, applied in each GEMM's epilogue (the
+    dequantised experts of ``fused_moe_quantized(path="dequant")``)."""
     T, H = x.shape
     E, inter, K = w_gate_up.shape[0], w_down.shape[2], topk_idx.shape[1]
     P = T * K
@@ -746,17 +759,21 @@ def _fused_moe_sorted(
     n_blocks = block_expert.numel()
     upcast = interpreting() and x.dtype != torch.float32
     prec = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
+    rs1, rs2 = (w_flat, w_flat) if row_scales is None else (r.to(torch.float32).contiguous() for r in row_scales)
+    scaled = row_scales is not None
     act = torch.empty((P, inter), dtype=x.dtype, device=x.device)
     _moe_gemm_kernel[(n_blocks, triton.cdiv(inter, t1["BLOCK_N"]))](
         x, w_gate_up, act, sorted_ids, block_expert, w_flat,
         inter, H, E, P, K, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2), act.stride(0),
-        A_BY_TOKEN=True, GELU_MUL=True, MUL_W=False, DOT_PRECISION=prec, UPCAST=upcast, **t1,
+        rs1, rs1.stride(0) if scaled else 0,
+        A_BY_TOKEN=True, GELU_MUL=True, MUL_W=False, DOT_PRECISION=prec, UPCAST=upcast, ROW_SCALE=scaled, **t1,
     )  # fmt: skip
     y = torch.empty((P, H), dtype=x.dtype, device=x.device)
     _moe_gemm_kernel[(n_blocks, triton.cdiv(H, t2["BLOCK_N"]))](
         act, w_down, y, sorted_ids, block_expert, w_flat,
         H, inter, E, P, K, act.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), y.stride(0),
-        A_BY_TOKEN=False, GELU_MUL=False, MUL_W=True, DOT_PRECISION=prec, UPCAST=upcast, **t2,
+        rs2, rs2.stride(0) if scaled else 0,
+        A_BY_TOKEN=False, GELU_MUL=False, MUL_W=True, DOT_PRECISION=prec, UPCAST=upcast, ROW_SCALE=scaled, **t2,
     )  # fmt: skip
     return y.view(T, K, H).sum(dim=1)
 
@@ -870,6 +887,20 @@ def _sorted_tiles(t: dict[str, int], override: dict[str, int] | None, n: int, kd
     return _fit({**t, **override}, n, kd)
 
 
+def dequantize_experts(wq: QuantExpertWeights, dtype: torch.dtype) -> torch.Tensor:
+    """[E, N, K] in ``dtype`` without the row scale: NVFP4 ``e2m1 * e4m3`` (exact in bf16 / fp16 / fp32; the W4A16
+    dequant kernel over the [E*N, K] view), FP8 the e4m3 values (exact). Why: at prefill sizes the grouped GEMMs
+    are compute-bound, and the quantised GEMMs, which decode every weight tile in registers once per row block,
+    ran 26B-A4B NVFP4 prefill steps at 234 ms against 132 ms for bf16 weights (H200 12-01h, c64); a pass that
+    writes the experts out once (N K x 2 bytes, 1.5 GB per 26B-A4B layer, reused from layer to layer) lets the
+    bf16 GEMMs run. The row scale stays out so the tiles stay exact; the GEMM applies it in its epilogue."""
+    E, N, K = wq.shape
+    if wq.fmt == "fp8":
+        return wq.values.to(dtype)
+    flat = dequantize_nvfp4_triton(wq.values.reshape(E * N, K // 2), wq.block_scale.reshape(E * N, K // 16), dtype)
+    return flat.view(E, N, K)
+
+
 def gather_w4a16_fits(x: torch.Tensor, gate_up: QuantExpertWeights) -> bool:
     """What the NVFP4 gather kernels need: bf16 x with 8-byte-aligned rows; H and I multiples of 32 (each thread
     reads 16-byte chunks of 32 elements)."""
@@ -935,12 +966,14 @@ def fused_moe_quantized(
 ) -> torch.Tensor:
     """:func:`fused_moe` with NVFP4 or FP8 expert weights (module doc, "Quantised experts"): x [T, H], gate_up
     [E, 2I, H], down [E, H, I] (logical shapes), topk_w / topk_idx [T, K] -> [T, H] in x's dtype. Any T, no host
-    sync (CUDA-graph capturable). ``path``: "sorted" (grouped tensor-core GEMMs, any format) or "gather" (NVFP4
-    with bf16 x: the two gather kernels, for decode-sized T*K; ``gather_w4a16_fits``). gate_up_tiles /
+    sync (CUDA-graph capturable). ``path``: "sorted" (grouped tensor-core GEMMs, any format), "gather" (NVFP4
+    with bf16 x: the two gather kernels, for decode-sized T*K; ``gather_w4a16_fits``) or "dequant" (prefill-sized
+    T*K: every expert dequantised into an [E, N, K] scratch in x's dtype, then the bf16 path's grouped GEMMs with
+    the row scales in their epilogues; ``dequantize_experts``). gate_up_tiles /
     down_tiles: the sorted GEMMs' tiles, any of {BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP_AB, SCALES_AHEAD}
     over the defaults (``_tiles``; for sweeps and tests)."""
-    if path not in ("sorted", "gather"):
-        raise ValueError(f"path {path!r} must be 'sorted' or 'gather'")
+    if path not in QUANT_MOE_PATHS:
+        raise ValueError(f"path {path!r} must be one of {', '.join(repr(p) for p in QUANT_MOE_PATHS)}")
     T, H = x.shape
     E, two_i, H2 = gate_up.shape
     inter = two_i // 2
@@ -960,6 +993,9 @@ def fused_moe_quantized(
                 f"{gate_up.fmt}, {x.dtype}, H {H}, I {inter}"
             )
         return _fused_moe_gather_w4a16(x, gate_up, down, topk_w, topk_idx)
+    if path == "dequant":
+        gu, dn = dequantize_experts(gate_up, x.dtype), dequantize_experts(down, x.dtype)
+        return _fused_moe_sorted(x, gu, dn, topk_w, topk_idx, block_m, row_scales=(gate_up.row_scale, down.row_scale))
     t1, t2, sorted_ids, block_expert, w_flat = _sorted_plan(topk_w, topk_idx, E, inter, H, block_m, quant=True)
     t1, t2 = _sorted_tiles(t1, gate_up_tiles, inter, H), _sorted_tiles(t2, down_tiles, H, inter)
     act = torch.empty((T * K, inter), dtype=x.dtype, device=x.device)
@@ -1245,7 +1281,8 @@ def bench_fused_moe_quantized(
     out, ref = fn().float(), fused_moe_ref(x.float(), gu.dequantize(), dn.dequantize(), w, idx)
     g_ms = graph_ms(fn)
     a = idx.unique().numel()
-    t = fused_moe_traffic(T, H, I, E, K, x.element_size(), active_experts=a, path=path, weight_format=fmt)
+    minimum = "sorted" if path == "dequant" else path  # the bound is the operation's, not the scratch's
+    t = fused_moe_traffic(T, H, I, E, K, x.element_size(), active_experts=a, path=minimum, weight_format=fmt)
     bound = t["total_bytes"] / HBM_BYTES_PER_S * 1e3
     res = {
         "T": T,
@@ -1267,11 +1304,15 @@ def bench_fused_moe_quantized(
 
 def quant_sweep(tokens: tuple[int, ...] = QUANT_SWEEP_TOKENS, fmt: str = "nvfp4", file=None, **shape) -> list[dict]:
     """One JSON line per (T, path) of :func:`bench_fused_moe_quantized`: sorted always, gather for NVFP4 (the only
-    format it serves); ``shape``: E, H, I, K, device (the CPU smoke test)."""
+    format it serves) up to 1024 pairs, dequant from 256 pairs (prefill sizes, where it should win: 26B-A4B
+    NVFP4 prefill ran 1.78x the bf16 time through the sorted GEMMs, H200 12-01h); ``shape``: E, H, I, K, device
+    (the CPU smoke test)."""
     file = file or sys.stdout
     rows = []
+    K = shape.get("K", 8)
     for T in tokens:
-        for path in ("sorted", "gather") if fmt == "nvfp4" else ("sorted",):
+        paths = ["sorted"] + (["gather"] if fmt == "nvfp4" and T * K <= 1024 else [])
+        for path in paths + (["dequant"] if T * K >= 256 else []):
             r = bench_fused_moe_quantized(T, path, fmt, **shape)
             rows.append(r)
             print(json.dumps(r), file=file, flush=True)

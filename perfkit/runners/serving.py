@@ -362,6 +362,7 @@ def load_target(
         fused_kernels=toggles.fused_kernels == "on",
         overlap=toggles.overlap == "on",
         moe_gather=toggles.moe_gather,
+        moe_prefill=toggles.moe_prefill,
         decode_use_tensor_cores=None if rt.decode_tensor_cores == "auto" else rt.decode_tensor_cores == "on",
         seed=mcfg.seed,
     )

@@ -14,6 +14,7 @@ Toggles (settable on a live engine with `set_toggle`; both arms of every toggle 
   cuda_graphs=on|off (decode graphs; only with a backend that supports them, i.e. flashinfer)   overlap=on|off
 Two toggles change the arithmetic's order, so their arms agree to rounding rather than bit for bit:
   fused_kernels=on|off   moe_gather=gemv|kernels (NVFP4 experts at decode sizes; no effect on other models)
+  moe_prefill=quantized|dequant (NVFP4 / FP8 experts at prefill sizes; no effect on other models)
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ TOGGLES = {
     "nvtx": ("on", "off"),
     "overlap": ("on", "off"),
     "moe_gather": ("gemv", "kernels"),
+    "moe_prefill": ("quantized", "dequant"),
 }
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}  # fmt: skip
@@ -70,6 +72,7 @@ class EngineConfig:
     fused_kernels: bool = False  # Triton RMSNorm / GeGLU / QK-norm+RoPE / MoE instead of the PyTorch ops
     overlap: bool = True  # prepare step N+1 on the host while the GPU runs step N (see the module docstring)
     moe_gather: str = "kernels"  # gemv | kernels: NVFP4 experts at decode sizes (Gemma4ForCausalLM.set_moe_gather)
+    moe_prefill: str = "quantized"  # quantized | dequant: quantised experts at prefill sizes (set_moe_prefill)
     num_kv_pages: int | None = None  # override: pages per pool (tests); else kv_cache_bytes; else measured
     kv_cache_bytes: int | None = None  # override: KV budget in bytes (before the split between pools)
     decode_use_tensor_cores: bool | None = None  # flashinfer decode; None = by pool and batch (measured rule)
@@ -149,6 +152,7 @@ class Engine:
         self._validate_toggles(ec)
         model.set_fused(ec.fused_kernels)
         model.set_moe_gather(ec.moe_gather)
+        model.set_moe_prefill(ec.moe_prefill)
         if model.rope is None or model.rope.max_positions < ec.max_model_len:
             model.setup_rope(ec.max_model_len)
         self._build(self._kv_pages())
@@ -156,7 +160,7 @@ class Engine:
     # ---- construction ----------------------------------------------------------------------------------------
     @staticmethod
     def _validate_toggles(ec: EngineConfig) -> None:
-        for name in ("attention", "page_table", "mask", "moe_gather"):
+        for name in ("attention", "page_table", "mask", "moe_gather", "moe_prefill"):
             if getattr(ec, name) not in TOGGLES[name]:
                 raise PerfkitError(f"{name}={getattr(ec, name)!r}; allowed: {', '.join(TOGGLES[name])}")
 
@@ -303,6 +307,9 @@ class Engine:
             if self.model.set_moe_gather(value):  # only models with NVFP4 experts change path
                 self._graphs = None
                 self._sync_graphs()
+        elif name == "moe_prefill" and value != self.ec.moe_prefill:  # prefill runs eagerly: no graph to redo
+            self.ec = replace(self.ec, moe_prefill=value)
+            self.model.set_moe_prefill(value)
 
     def toggles(self) -> dict[str, str]:
         ec = self.ec
@@ -311,7 +318,7 @@ class Engine:
             "mm_embed_cache": "on" if ec.mm_embed_cache else "off", "cuda_graphs": "on" if ec.cuda_graphs else "off",
             "fused_kernels": "on" if ec.fused_kernels else "off",
             "nvtx": "on" if self.ranges is self._recorder else "off", "overlap": "on" if ec.overlap else "off",
-            "moe_gather": ec.moe_gather,
+            "moe_gather": ec.moe_gather, "moe_prefill": ec.moe_prefill,
         }  # fmt: skip
 
     # ---- requests --------------------------------------------------------------------------------------------

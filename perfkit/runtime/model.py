@@ -513,6 +513,19 @@ class Gemma4ForCausalLM(nn.Module):
                 found = True
         return found
 
+    def set_moe_prefill(self, kind: str) -> bool:
+        """Quantised experts at prefill sizes: "quantized" (the grouped GEMMs dequantising in registers) or
+        "dequant" (the experts dequantised into a scratch, then the bf16 grouped GEMMs). Sets ``prefill_dequant``
+        on every module that has one (``QuantizedExperts``); returns whether any has."""
+        if kind not in ("quantized", "dequant"):
+            raise ValueError(f"moe_prefill {kind!r}: allowed values are quantized, dequant")
+        found = False
+        for m in self.modules():
+            if hasattr(type(m), "prefill_dequant"):
+                m.prefill_dequant = kind == "dequant"
+                found = True
+        return found
+
     def set_fused(self, on: bool) -> None:
         """Route norms, GeGLU, q/k-norm + RoPE and MoE through the Triton kernels (True) or PyTorch (False).
 

@@ -322,6 +322,13 @@ class QuantizedExperts(nn.Module):
     # flushed, gather vs sorted): T = 8 116 vs 263 us, 16 202 vs 368, 32 372 vs 489, 48 542 vs 530, 64 710 vs 542.
     # 256 = T 32 at top-8, the largest measured T where gather still wins by a margin (24 %).
     gather_kernels_max_rows = 256
+    # Toggle moe_prefill (``Gemma4ForCausalLM.set_moe_prefill``): at or above dequant_min_pairs routed pairs the
+    # Triton backends run ``fused_moe_quantized(path="dequant")``, every expert dequantised into a bf16 scratch
+    # and the bf16 grouped GEMMs (prefill is compute-bound; 26B-A4B NVFP4 prefill steps ran 234 ms through the
+    # in-register GEMMs against 132 ms with bf16 weights, H200 12-01h). Off by default until an H200 A/B
+    # (configs/ab_moe_prefill.yaml) decides; 4096 pairs = 512 tokens at top-8, far above any decode batch here.
+    prefill_dequant = False
+    dequant_min_pairs = 4096
 
     @property
     def fused(self) -> bool:
@@ -402,7 +409,9 @@ class QuantizedExperts(nn.Module):
                 return fused_moe_quantized(x, gu, self.quant_weights("down_proj"), w, idx, path="gather")
         small = pairs <= self.gather_max_rows
         if self.backend == "fp8-triton" or (self.backend == "w4a16-triton" and not small):
-            return fused_moe_quantized(x, self.quant_weights("gate_up_proj"), self.quant_weights("down_proj"), w, idx)
+            path = "dequant" if self.prefill_dequant and pairs >= self.dequant_min_pairs else "sorted"
+            gu, dn = self.quant_weights("gate_up_proj"), self.quant_weights("down_proj")
+            return fused_moe_quantized(x, gu, dn, w, idx, path=path)
         if small:
             return self.forward_gather(x, idx, w)
         return self.forward_sorted(x, idx, w)
