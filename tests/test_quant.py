@@ -442,6 +442,44 @@ def test_w4a16_dot_swap_ab_and_scales_ahead(dtype, swap_ab, scales_ahead):
         w4a16_gemm(x, q, s, gs, config=dataclasses.replace(cfg0, block_m=4), path="gemv")
 
 
+def test_global_scale_runs_and_the_alpha_gemm():
+    """The prefill GEMM's host runs of the global scale (one per merged module) and the cuBLAS-alpha product that
+    writes each run's columns in place (here on the CPU, where torch.addmm takes the same views): within the
+    reference's bound, so one rounding of the fp32 product, as the fp32 epilogue."""
+    from perfkit.kernels.w4a16_gemm import _mm_alpha_runs, global_scale_runs
+
+    gs = torch.tensor([0.5] * 3 + [2.0] * 4 + [0.5] * 2)
+    assert global_scale_runs(gs, 9) == ((0, 3, 0.5), (3, 7, 2.0), (7, 9, 0.5))
+    assert global_scale_runs(torch.tensor(0.25), 5) == ((0, 5, 0.25),)
+    with pytest.raises(ValueError, match="1 or n=4"):
+        global_scale_runs(gs, 4)
+    x, q, s, gs40 = _operands(6, 40, 64, torch.bfloat16, seed=7)
+    per_row = torch.cat([gs40.expand(16) * 0.75, gs40.expand(24) * 3.0])
+    wd = dequantize_nvfp4(q, s, 1.0).to(torch.bfloat16)  # exact
+    out = _mm_alpha_runs(x, wd, global_scale_runs(per_row, 40))
+    assert out.dtype == torch.bfloat16 and out.shape == (6, 40)
+    _assert_w4a16_close(out, x, q, s, per_row)
+    with pytest.raises(ValueError, match="gs_runs must cover rows 0..40"):
+        w4a16_gemm(x, q, s, per_row, gs_runs=((0, 16, 1.0),), path="dequant_mm")
+
+
+def test_nvfp4_linear_caches_its_global_scale_runs():
+    """Nvfp4Linear reads its global scale to the host once (the first prefill-sized call) and again only when the
+    buffer is replaced or written in place; a merged q|k|v has one run per module."""
+    lins = [torch.nn.Linear(32, n, bias=False) for n in (16, 8, 8)]
+    parts = [Nvfp4Linear.from_linear(lin) for lin in lins]
+    runs = parts[0]._gs_runs()
+    assert runs == ((0, 16, parts[0].weight_scale_2.item()),) and parts[0]._gs_runs() is runs  # cached
+    parts[0].weight_scale_2.mul_(2.0)  # a load in place: the version changes
+    assert parts[0]._gs_runs()[0][2] == parts[0].weight_scale_2.item() != runs[0][2]
+    for p, v in zip(parts, (0.5, 0.25, 0.5), strict=True):
+        p.weight_scale_2.fill_(v)
+    merged = Nvfp4Linear.merge_rows(parts)
+    if merged is None:
+        pytest.skip("the backend keeps separate GEMMs")
+    assert merged.module._gs_runs() == ((0, 16, 0.5), (16, 24, 0.25), (24, 32, 0.5))
+
+
 def test_w4a16_paths_and_configs():
     assert [pick_path(m) for m in (1, GEMV_MAX_M, GEMV_MAX_M + 1, DEQUANT_MM_MIN_M - 1, DEQUANT_MM_MIN_M)] == [
         "gemv", "gemv", "dot", "dot", "dequant_mm",
@@ -1106,6 +1144,28 @@ def test_gpu_w4a16_real_shapes_and_timing(M, N, K, path):
     r = bench_w4a16(M, N, K, path=path)
     print(r)
     assert r["rel_err_vs_ref"] < 5e-3  # bf16 output rounding (~1e-3); the weights are exact
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_w4a16_prefill_alpha_runs():
+    """dequant_mm at a prefill M with the global scale as host runs (cuBLAS alpha, x's dtype written directly)
+    against the reference bound and the fp32-epilogue form; a merged-style per-row scale of three runs; and an
+    Nvfp4Linear forward at M = 256 takes it."""
+    from perfkit.kernels.w4a16_gemm import global_scale_runs
+
+    x, q, s, gs = _operands(256, 4096, 2048, torch.bfloat16, seed=11)
+    per_row = torch.cat([gs.expand(2048) * 0.5, gs.expand(1024) * 2.0, gs.expand(1024)])
+    for g in (gs, per_row):
+        runs = global_scale_runs(g, 4096)
+        fast = w4a16_gemm(x, q, s, g, path="dequant_mm", gs_runs=runs)
+        _assert_w4a16_close(fast, x, q, s, g)
+        slow = w4a16_gemm(x, q, s, g, path="dequant_mm")
+        assert (fast.float() - slow.float()).abs().max() <= 2 * 2.0**-8 * slow.float().abs().max()
+    lin = torch.nn.Linear(2048, 4096, bias=False, device="cuda")
+    m = Nvfp4Linear.from_linear(lin)
+    y = m(x)
+    assert m._gs_runs_cache is not None and y.shape == (256, 4096)
 
 
 @pytest.mark.gpu

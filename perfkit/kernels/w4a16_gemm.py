@@ -56,7 +56,11 @@ the H200 sweep, ``python3 -m perfkit.kernels.w4a16_gemm --sweep``, sets them):
   dtype to a scratch [N, K] (reads 0.56 B, writes 2 B per element: ~70 µs for 21504 x 5376 on an H200), then
   cuBLAS multiplies (fp32 output) and one elementwise op applies the global scale and casts. Large M is
   compute-bound, where cuBLAS's tiles beat an in-kernel dequantising GEMM; the scratch costs N*K*2 bytes
-  (0.46 GB for the 31B fused gate/up projection) while the call runs.
+  (0.46 GB for the 31B fused gate/up projection) while the call runs. With the global scale as host runs
+  (``gs_runs``, which ``Nvfp4Linear`` caches; 12-01h, not yet timed) cuBLAS applies each run as its alpha and
+  writes x's dtype: the same single rounding, without the fp32 [M, N] written and read back (10 bytes per output
+  instead of 2; at 8K tokens ~4.6 GB per 31B layer, which would be ~64 ms of the 880 ms NVFP4 prefill step at
+  4.3 TB/s, against 740 ms for bf16 weights, H200 12-01h).
 
 ``w4a16_gemm_ref`` (dequantise in torch, fp32 matmul) is the single source of truth; ``w4a16_gemm_traffic`` gives
 the minimum DRAM bytes and FLOPs. On CPU the kernels run under ``TRITON_INTERPRET=1`` (set before importing
@@ -1017,14 +1021,46 @@ def _launch_dequant_mm(
     gs: torch.Tensor,
     out_dtype: torch.dtype,
     cfg: W4A16Config,
+    gs_runs: Sequence[tuple[int, int, float]] | None = None,
 ) -> torch.Tensor:
     N, K = words.shape[0], x.shape[1]
     wd = _dequant_into(words, scales, torch.empty((N, K), dtype=x.dtype, device=x.device), cfg)
+    if gs_runs is not None and x.is_cuda and x.dtype != torch.float32 and out_dtype == x.dtype:
+        return _mm_alpha_runs(x, wd, gs_runs)
     y = _mm_f32(x, wd)  # [M, N] fp32
     del wd
     if out_dtype == torch.float32:
         return y.mul_(gs)
     return torch.mul(y, gs, out=torch.empty(y.shape, dtype=out_dtype, device=x.device))  # one rounding
+
+
+def _mm_alpha_runs(x: torch.Tensor, wd: torch.Tensor, gs_runs: Sequence[tuple[int, int, float]]) -> torch.Tensor:
+    """x [M, K] @ wd [N, K]^T with each run's global scale as cuBLAS's alpha, written in x's dtype: cuBLAS scales
+    the fp32 accumulator and rounds once, as the fp32 path's epilogue does, without writing and reading back an
+    fp32 [M, N] (10 bytes per output instead of 2: ~4.6 GB per 31B layer at 8K tokens). A run writes its columns
+    of the output in place (a view with the output's row stride, which cuBLAS takes as its leading dimension)."""
+    out = torch.empty((x.shape[0], wd.shape[0]), dtype=x.dtype, device=x.device)
+    for lo, hi, alpha in gs_runs:
+        view = out[:, lo:hi]
+        torch.addmm(view, x, wd[lo:hi].t(), beta=0, alpha=alpha, out=view)
+    return out
+
+
+def global_scale_runs(gs: torch.Tensor, n: int) -> tuple[tuple[int, int, float], ...]:
+    """A global scale of ``n`` rows, scalar or [n], as host runs (row start, row stop, value) of equal values: one
+    run for a plain NVFP4 linear, one per merged module for q|k|v or gate|up. Reads the device once (a sync):
+    callers cache it (``Nvfp4Linear``)."""
+    vals = gs.detach().float().reshape(-1).tolist()
+    if len(vals) == 1:
+        return ((0, n, vals[0]),)
+    if len(vals) != n:
+        raise ValueError(f"global scale must have 1 or n={n} elements, got {len(vals)}")
+    runs, lo = [], 0
+    for i in range(1, len(vals) + 1):
+        if i == len(vals) or vals[i] != vals[lo]:
+            runs.append((lo, i, vals[lo]))
+            lo = i
+    return tuple(runs)
 
 
 def w4a16_gemm(
@@ -1036,11 +1072,14 @@ def w4a16_gemm(
     config: W4A16Config | None = None,
     scale_mode: str = "broadcast",
     path: str = "auto",
+    gs_runs: Sequence[tuple[int, int, float]] | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ dequant(weight [N, K/2])^T -> [M, N]`` (format and paths: module docstring). ``global_scale``:
     scalar or per output row [N]. No host sync (the global scale is read on the device): CUDA-graph safe.
     ``path``: auto | gemv | dot | dequant_mm; ``config``: a tile of that path (default: ``pick_config``).
-    ``scale_mode`` (dot path): broadcast | gather (how block scales reach the tile; same result)."""
+    ``scale_mode`` (dot path): broadcast | gather (how block scales reach the tile; same result). ``gs_runs``:
+    the same global scale as host runs (``global_scale_runs``, cached by the caller); dequant_mm with a CUDA bf16 /
+    fp16 x in and out then applies each run as cuBLAS's alpha instead of an fp32 epilogue pass."""
     M, N, K = _check(x, weight, weight_scale)
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [N, K/2], got {tuple(weight.shape)}")
@@ -1060,7 +1099,9 @@ def w4a16_gemm(
         return _launch_gemv(x, words, scales, gs, 0 if gs.numel() == 1 else 1, None, out_dtype, cfg)
     if chosen == "dot":
         return _launch_dot(x, words, scales, gs, 0 if gs.numel() == 1 else 1, out_dtype, cfg, scale_mode == "gather")
-    return _launch_dequant_mm(x, words, scales, gs, out_dtype, cfg)
+    if gs_runs is not None and (gs_runs[0][0] != 0 or gs_runs[-1][1] != N):
+        raise ValueError(f"gs_runs must cover rows 0..{N}, got {gs_runs[0][0]}..{gs_runs[-1][1]}")
+    return _launch_dequant_mm(x, words, scales, gs, out_dtype, cfg, gs_runs)
 
 
 def w4a16_gemm_gathered(

@@ -58,6 +58,8 @@ from perfkit.kernels.launch import interpreting
 from perfkit.kernels.moe import QuantExpertWeights, fused_moe_quantized, gather_w4a16_fits, quantize_experts
 from perfkit.kernels.w4a16_gemm import (
     dequantize_nvfp4,
+    global_scale_runs,
+    pick_path,
     quantize_nvfp4,
     w4a16_gemm,
     w4a16_gemm_gathered,
@@ -234,6 +236,7 @@ class Nvfp4Linear(nn.Module):
         self.register_buffer("input_scale", torch.ones((), dtype=torch.float32, device=device))
         self.backend = "w4a16-ref"
         self._native: tuple[Tensor, Tensor] | None = None  # (swizzled block scales, ...) prepared lazily
+        self._gs_runs_cache: tuple[tuple, tuple[tuple[int, int, float], ...]] | None = None  # (key, runs)
 
     @classmethod
     def from_linear(cls, lin: nn.Linear) -> Nvfp4Linear:
@@ -260,10 +263,25 @@ class Nvfp4Linear(nn.Module):
     def dequantized_weight(self) -> Tensor:
         return dequantize_nvfp4(self.weight, self.weight_scale, self.weight_scale_2)
 
+    def _gs_runs(self) -> tuple[tuple[int, int, float], ...] | None:
+        """The global scale as host runs for the prefill GEMM's cuBLAS alpha (``w4a16_gemm(gs_runs=)``), read from
+        the device on the first prefill-sized call (the engine's warmup) and again only when ``weight_scale_2`` is
+        replaced or written in place (a checkpoint load), so the step path does not sync."""
+        gs = self.weight_scale_2
+        key = (gs.data_ptr(), gs._version, gs.numel())
+        cached = self._gs_runs_cache
+        if cached is None or cached[0] != key:
+            if gs.is_cuda and torch.cuda.is_current_stream_capturing():
+                return None  # no sync inside a graph capture: the fp32 epilogue, which reads gs on the device
+            cached = (key, global_scale_runs(gs, self.out_features))
+            self._gs_runs_cache = cached
+        return cached[1]
+
     def forward(self, x: Tensor) -> Tensor:
         x2 = _flat(x)
         if self.backend == "w4a16-triton":
-            y = w4a16_gemm(x2, self.weight, self.weight_scale, self.weight_scale_2)
+            runs = self._gs_runs() if pick_path(x2.shape[0]) == "dequant_mm" else None
+            y = w4a16_gemm(x2, self.weight, self.weight_scale, self.weight_scale_2, gs_runs=runs)
         elif self.backend == "fp4-native":
             y = self._forward_native(x2)
         else:
