@@ -1150,8 +1150,9 @@ def test_gpu_w4a16_real_shapes_and_timing(M, N, K, path):
 @gpu
 def test_gpu_w4a16_prefill_alpha_runs():
     """dequant_mm at a prefill M with the global scale as host runs (cuBLAS alpha, x's dtype written directly)
-    against the reference bound and the fp32-epilogue form; a merged-style per-row scale of three runs; and an
-    Nvfp4Linear forward at M = 256 takes it."""
+    against the reference bound and the fp32-epilogue form; a merged-style per-row scale of three runs; both
+    forms timed at the 31B gate|up shape with 8K tokens (printed: what Nvfp4Linear.prefill_alpha is decided on);
+    an Nvfp4Linear forward at M = 256 with prefill_alpha takes it."""
     from perfkit.kernels.w4a16_gemm import global_scale_runs
 
     x, q, s, gs = _operands(256, 4096, 2048, torch.bfloat16, seed=11)
@@ -1162,9 +1163,17 @@ def test_gpu_w4a16_prefill_alpha_runs():
         _assert_w4a16_close(fast, x, q, s, g)
         slow = w4a16_gemm(x, q, s, g, path="dequant_mm")
         assert (fast.float() - slow.float()).abs().max() <= 2 * 2.0**-8 * slow.float().abs().max()
+    from perfkit.kernels.timing import graph_ms
+
+    x, q, s, gs = _operands(8192, 21504, 5376, torch.bfloat16, seed=12)  # the 31B gate|up projection, an 8K chunk
+    runs = global_scale_runs(gs, 21504)
+    fast_ms = graph_ms(lambda: w4a16_gemm(x, q, s, gs, path="dequant_mm", gs_runs=runs))
+    slow_ms = graph_ms(lambda: w4a16_gemm(x, q, s, gs, path="dequant_mm"))
+    print(f"dequant_mm 8192 x 21504 x 5376: alpha runs {fast_ms:.3f} ms, fp32 epilogue {slow_ms:.3f} ms")
     lin = torch.nn.Linear(2048, 4096, bias=False, device="cuda")
     m = Nvfp4Linear.from_linear(lin)
-    y = m(x)
+    m.prefill_alpha = True
+    y = m(x[:256, :2048].contiguous())
     assert m._gs_runs_cache is not None and y.shape == (256, 4096)
 
 
