@@ -12,7 +12,7 @@ ids are on the host, in either mode.
 Toggles (settable on a live engine with `set_toggle`; both arms of every toggle give identical tokens):
   attention=flashinfer|torch   page_table=host|padded   mask=triton|dense   mm_embed_cache=on|off
   cuda_graphs=on|off (decode graphs; only with a backend that supports them, i.e. flashinfer)   overlap=on|off
-Two toggles change the arithmetic's order, so their arms agree to rounding rather than bit for bit:
+Three toggles change the arithmetic's order, so their arms agree to rounding rather than bit for bit:
   fused_kernels=on|off   moe_gather=gemv|kernels (NVFP4 experts at decode sizes; no effect on other models)
   moe_prefill=quantized|dequant (NVFP4 / FP8 experts at prefill sizes; no effect on other models)
 """
