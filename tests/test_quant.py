@@ -938,11 +938,11 @@ def test_quantized_experts_gather_kernels_switch(monkeypatch):
     calls.clear()
     e(x, idx, w)  # fp32 x: the gemv gather
     assert calls == []
-    for T, path in ((40, "gather"), (129, None)):  # 80 pairs: above gather_max_rows; 258: above the kernels' 256
+    for T, path in ((40, "gather"), (129, "sorted")):  # 80 pairs: above gather_max_rows; 258: above the kernels' 256
         x, w, idx = _routed(T, 64, 5, 2, gen, torch.bfloat16)
         calls.clear()
         assert rel(e(x, idx, w).float(), e.forward_sorted(x.float(), idx, w)) < 1.5e-2
-        assert calls == [path]  # None: the sorted grouped GEMMs
+        assert calls == [path]
     monkeypatch.setattr(quant.QuantizedExperts, "gather_kernels", False)
     calls.clear()
     x, w, idx = _routed(2, 64, 5, 2, gen)
