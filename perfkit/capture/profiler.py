@@ -34,7 +34,10 @@ ProfileKind = Literal["torch", "cuda", "python", "none"]
 # Triton kernels (plain Python names starting with "_").
 _KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("batchdecode", "batchprefill", "flashinfer", "mergestate", "merge_state")),
-    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "_w4a16", "_fp8", "_moe_gather", "matmul", "cublas")),
+    (
+        "gemm",
+        ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "_w4a16", "_fp8", "_moe_gather", "matmul", "cublas"),
+    ),
     ("copy", ("memcpy", "memset", "copy", "index", "gather", "scatter", "cat")),
 )
 
@@ -247,8 +250,12 @@ def host_summary(stats: Any, steps: int, top: int = 30) -> dict[str, Any]:
         "steps": steps,
         "host_ms_per_step": total * 1e3 / n,
         "top": [
-            {"function": name[:160], "calls_per_step": nc / n, "cum_ms_per_step": cum * 1e3 / n,
-             "self_ms_per_step": tot * 1e3 / n}
+            {
+                "function": name[:160],
+                "calls_per_step": nc / n,
+                "cum_ms_per_step": cum * 1e3 / n,
+                "self_ms_per_step": tot * 1e3 / n,
+            }
             for cum, tot, nc, name in rows[:top]
         ],  # fmt: skip
     }
