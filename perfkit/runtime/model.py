@@ -506,12 +506,7 @@ class Gemma4ForCausalLM(nn.Module):
         Triton). Returns whether any module has it: only then do captured graphs replay a different path."""
         if kind not in ("gemv", "kernels"):
             raise ValueError(f"moe_gather {kind!r}: allowed values are gemv, kernels")
-        found = False
-        for m in self.modules():
-            if hasattr(type(m), "gather_kernels"):
-                m.gather_kernels = kind == "kernels"
-                found = True
-        return found
+        return self._set_module_flag("gather_kernels", kind == "kernels")
 
     def set_moe_prefill(self, kind: str) -> bool:
         """Quantised experts at prefill sizes: "quantized" (the grouped GEMMs dequantising in registers) or
@@ -519,10 +514,14 @@ class Gemma4ForCausalLM(nn.Module):
         on every module that has one (``QuantizedExperts``); returns whether any has."""
         if kind not in ("quantized", "dequant"):
             raise ValueError(f"moe_prefill {kind!r}: allowed values are quantized, dequant")
+        return self._set_module_flag("prefill_dequant", kind == "dequant")
+
+    def _set_module_flag(self, name: str, value: bool) -> bool:
+        """``name = value`` on every submodule whose class declares ``name``; whether any does."""
         found = False
         for m in self.modules():
-            if hasattr(type(m), "prefill_dequant"):
-                m.prefill_dequant = kind == "dequant"
+            if hasattr(type(m), name):
+                setattr(m, name, value)
                 found = True
         return found
 
