@@ -88,6 +88,7 @@ from perfkit.kernels.timing import graph_ms
 from perfkit.kernels.w4a16_gemm import (
     _asm,
     _dequant_tile,
+    _dot_scales,
     _e4m3_times_2m8,
     _int64_rows,
     _wide_gemv,
@@ -338,9 +339,9 @@ def _moe_gemm_q_kernel(
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if NVFP4 and SCALES_AHEAD:  # the first step's raw scales (gate rows, and the up rows with GELU_MUL)
-            s_next = _q_scales(s_ptrs, 0, Kd, g)
+            s_next = _dot_scales(s_ptrs, 0, Kd, g, False)
             if GELU_MUL:
-                su_next = _q_scales(s_ptrs + N * stride_sn, 0, Kd, g)
+                su_next = _dot_scales(s_ptrs + N * stride_sn, 0, Kd, g, False)
         for k0 in range(0, Kd, BLOCK_K):
             km = offs_k < Kd - k0
             a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
@@ -351,14 +352,14 @@ def _moe_gemm_q_kernel(
                 w = tl.load(w_ptrs, mask=g_ok[None, :, None], other=0)
                 if SCALES_AHEAD:  # this step's scales came a step ahead; the next step's are loaded now
                     sr = s_next
-                    s_next = _q_scales(s_ptrs + G, k0 + BLOCK_K, Kd, g)  # zeros past Kd
+                    s_next = _dot_scales(s_ptrs + G, k0 + BLOCK_K, Kd, g, False)  # zeros past Kd
                     if GELU_MUL:
                         su = su_next
-                        su_next = _q_scales(s_ptrs + N * stride_sn + G, k0 + BLOCK_K, Kd, g)
+                        su_next = _dot_scales(s_ptrs + N * stride_sn + G, k0 + BLOCK_K, Kd, g, False)
                 else:
-                    sr = _q_scales(s_ptrs, k0, Kd, g)
+                    sr = _dot_scales(s_ptrs, k0, Kd, g, False)
                     if GELU_MUL:
-                        su = _q_scales(s_ptrs + N * stride_sn, k0, Kd, g)
+                        su = _dot_scales(s_ptrs + N * stride_sn, k0, Kd, g, False)
                 sf = (_e4m3_times_2m8(sr) * 4194304.0)[:, :, None]
                 tile = _dequant_tile(w.to(tl.uint32, bitcast=True), sf, ASM)  # [BN, BK] fp32, exact
             else:
@@ -386,12 +387,6 @@ def _moe_gemm_q_kernel(
         if GELU_MUL:
             acc_u = acc_u * tl.load(rs_ptr + e64 * stride_re + N + rn)[None, :]
         _store_block(acc, acc_u, c_ptr, topw_ptr, ids, valid, offs_n, nmask, stride_cm, GELU_MUL, MUL_W)
-
-
-@triton.jit
-def _q_scales(s_ptrs, k0, Kd, g):
-    """Raw e4m3 block scales [BN, G] of the K step at k0, zeros past Kd (the tail and the look-ahead past it)."""
-    return tl.load(s_ptrs, mask=((k0 // 16 + g) < Kd // 16)[None, :], other=0)
 
 
 @triton.jit

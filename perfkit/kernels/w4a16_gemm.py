@@ -510,8 +510,8 @@ def _w4a16_splitk_reduce_kernel(
 
 @triton.jit
 def _dot_scales(s_ptrs, k0, k_hi, g, GATHER_SCALES: tl.constexpr):
-    """The dot path's raw block scales of the K step at k0: [BN, G] (or [BN, G, 2] with GATHER_SCALES), zeros past
-    k_hi (the K tail, and the look-ahead past the last step)."""
+    """Raw e4m3 block scales of the K step at k0: [BN, G] (or [BN, G, 2] with GATHER_SCALES), zeros past k_hi (the
+    K tail, and the look-ahead past the last step). The dot path's and the quantised MoE GEMM's (``moe``)."""
     g_ok = (k0 // 16 + g) < k_hi // 16
     if GATHER_SCALES:
         return tl.load(s_ptrs, mask=g_ok[None, :, None], other=0)
