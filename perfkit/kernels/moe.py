@@ -656,13 +656,17 @@ def select_moe_path(num_pairs: int, path: str = "auto") -> str:
     return "gather" if num_pairs <= MOE_GATHER_MAX_PAIRS else "sorted"
 
 
+def _check_tile_keys(override: dict[str, int], allowed: tuple[str, ...]) -> None:
+    bad = sorted(set(override) - set(allowed))
+    if bad:
+        raise ValueError(f"unknown tile keys {bad}; allowed: {', '.join(allowed)}")
+
+
 def _gather_tiles(default: dict[str, int], override: dict[str, int] | None, n: int, kd: int) -> dict[str, int]:
     """Default tiles with a per-call override merged in, then shrunk for small problems (tests)."""
     t = dict(default)
     if override:
-        bad = sorted(set(override) - set(_TILE_KEYS))
-        if bad:
-            raise ValueError(f"unknown tile keys {bad}; allowed: {', '.join(_TILE_KEYS)}")
+        _check_tile_keys(override, _TILE_KEYS)
         t.update(override)
     for key in ("BLOCK_N", "BLOCK_K"):
         v = t[key]
@@ -876,9 +880,7 @@ def _sorted_tiles(t: dict[str, int], override: dict[str, int] | None, n: int, kd
     """The quantised sorted GEMM's tiles with a per-call override merged in (BLOCK_M stays the align step's)."""
     if not override:
         return t
-    bad = sorted(set(override) - {*_TILE_KEYS, "SWAP_AB", "SCALES_AHEAD"})
-    if bad:
-        raise ValueError(f"unknown tile keys {bad}; allowed: {', '.join(_TILE_KEYS)}, SWAP_AB, SCALES_AHEAD")
+    _check_tile_keys(override, (*_TILE_KEYS, "SWAP_AB", "SCALES_AHEAD"))
     return _fit({**t, **override}, n, kd)
 
 
