@@ -81,8 +81,8 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
     "moe_prefill": (
         ("quantized", "dequant"),
         "quantized",
-        "NVFP4 / FP8 MoE experts at prefill sizes (at or above QuantizedExperts.dequant_min_pairs routed pairs, 4096 "
-        "= 512 tokens at top-8): the grouped GEMMs that dequantise each weight tile in registers (quantized) vs "
+        "NVFP4 / FP8 MoE experts at prefill sizes (at or above QuantizedExperts.dequant_min_pairs routed pairs, 12288 "
+        "= 1536 tokens at top-8): the grouped GEMMs that dequantise each weight tile in registers (quantized) vs "
         "every expert dequantised into a bf16 scratch once per layer, then the bf16 grouped GEMMs (dequant); no "
         "effect on other experts",
     ),

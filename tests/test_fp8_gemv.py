@@ -244,11 +244,11 @@ def test_default_configs():
     assert Fp8GemvConfig(block_m=1, block_n=1, block_k=16, num_warps=1, split_k=1).split_k == 1
     for cfg in (GEMV_CONFIG, INTERPRETER_CONFIG, *[c for c in fg.SWEEP_CONFIGS if c is not None]):
         assert isinstance(cfg, Fp8GemvConfig)
-    assert GEMV_CONFIG.block_k % (256 * GEMV_CONFIG.num_warps) == 0  # x in the weight's layout
+    assert GEMV_CONFIG.block_k % (32 * GEMV_CONFIG.group * GEMV_CONFIG.num_warps) == 0  # x in the weight's layout
     assert GEMV_CONFIG.block_m >= FP8_GEMV_MAX_M  # every routed M in one row tile: the weight streamed once
     assert fg.default_config() is (INTERPRETER_CONFIG if interpreting() else GEMV_CONFIG)
     assert fg._fit(GEMV_CONFIG, 1, 5376, 21504) == (1, GEMV_CONFIG.block_n, GEMV_CONFIG.block_k)
-    assert fg._fit(GEMV_CONFIG, 3, 5, 20) == (4, min(GEMV_CONFIG.block_n, 8), 32)  # clipped to the problem
+    assert fg._fit(GEMV_CONFIG, 3, 5, 20) == (min(GEMV_CONFIG.block_m, 4), min(GEMV_CONFIG.block_n, 8), 32)  # clipped
     assert 1 <= len(fg.SWEEP_CONFIGS) <= 16 and len(set(fg.SWEEP_CONFIGS)) == len(fg.SWEEP_CONFIGS)
 
 

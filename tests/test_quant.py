@@ -1230,7 +1230,8 @@ def test_gpu_quantized_experts_real_shapes_and_graph_capture(scheme):
     w, idx = torch.topk(torch.randn(64, 128, device="cuda").softmax(-1), 8)
     _assert_graph_replays_eager(lambda: e(x, idx, w))
     assert e.gate_up_proj is gu and e.down_proj is dn
-    e.prefill_dequant = True  # toggle moe_prefill=dequant: 512 x 8 = 4096 pairs, dequant_min_pairs
+    e.prefill_dequant = True  # toggle moe_prefill=dequant; 512 x 8 = 4096 pairs, below the default threshold
+    e.dequant_min_pairs = 4096
     x = torch.randn(512, 2816, device="cuda", generator=gen).to(torch.bfloat16)
     w, idx = torch.topk(torch.randn(512, 128, device="cuda", generator=gen).softmax(-1), 8)
     ref = fused_moe_ref(x.float(), *ref_w, w, idx)

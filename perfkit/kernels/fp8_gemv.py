@@ -285,7 +285,11 @@ class Fp8GemvConfig:
 # compile of the 8-row tile, not a timing): 61 registers and ~3.3 instructions per weight byte at M = 1; 130
 # registers, ~7.0 at M = 4; 203 registers, ~12 at M = 8 (one CUDA-core FMA per weight byte per row: why the
 # gemv loses to scaled_mm from M = 2 on). No split-K at the 31B shapes (>= 1344 programs).
-GEMV_CONFIG = Fp8GemvConfig(block_m=8, block_n=4, block_k=1024, num_warps=4, num_stages=1)
+# H200 12-01i (docs/h200-runs/2026-12-01i/1-fp8_sweep.jsonl): at M = 1 the 16-byte form, 2 weight rows x 2048 K
+# on 4 warps, is the best tile on all six shapes, 43.5-63.8 % of the DRAM bound (geomean 1.00x the per-shape best)
+# against 35.7-50.9 % (1.235x) for the 8 x 4 x 1024 tile above, which stays ahead at M = 2-4 (M > 1 goes to
+# scaled_mm anyway, FP8_GEMV_MAX_M). block_m 2: a caller with more rows streams the weight once per 2 rows.
+GEMV_CONFIG = Fp8GemvConfig(block_m=2, block_n=2, block_k=2048, num_warps=4, num_stages=1, group=16)
 # The CPU interpreter runs one program at a time in Python (cost ~ programs x ops): one wide tile per problem.
 INTERPRETER_CONFIG = Fp8GemvConfig(block_m=8, block_n=64, block_k=128, num_warps=4, num_stages=1)
 INLINE_ASM_CVT = True  # GPU sm_89+: inline-PTX e4m3 -> fp32 (False: Triton's own conversion)

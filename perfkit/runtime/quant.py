@@ -225,9 +225,9 @@ class Nvfp4Linear(nn.Module):
     """Drop-in for a bias-free ``nn.Linear`` holding the ModelOpt NVFP4 tensors (names = checkpoint names)."""
 
     # Prefill-sized calls (the dequant_mm path) pass the global scale as cached host runs, applied as cuBLAS's
-    # alpha (``w4a16_gemm(gs_runs=)``), instead of an fp32 [M, N] epilogue pass. Off until the H200 runs
-    # test_gpu_w4a16_prefill_alpha_runs and times both forms (written 12-01h without a device).
-    prefill_alpha = False
+    # alpha (``w4a16_gemm(gs_runs=)``), instead of an fp32 [M, N] epilogue pass. H200 12-01i
+    # (test_gpu_w4a16_prefill_alpha_runs, the 31B gate|up at 8,192 tokens): 2.696 ms against 3.296 ms (-18 %).
+    prefill_alpha = True
 
     def __init__(self, in_features: int, out_features: int, device: torch.device | str | None = None):
         super().__init__()
@@ -348,10 +348,12 @@ class QuantizedExperts(nn.Module):
     # Toggle moe_prefill (``Gemma4ForCausalLM.set_moe_prefill``): at or above dequant_min_pairs routed pairs the
     # Triton backends run ``fused_moe_quantized(path="dequant")``, every expert dequantised into a bf16 scratch
     # and the bf16 grouped GEMMs (prefill is compute-bound; 26B-A4B NVFP4 prefill steps ran 234 ms through the
-    # in-register GEMMs against 132 ms with bf16 weights, H200 12-01h). Off by default until an H200 A/B
-    # (configs/ab_moe_prefill.yaml) decides; 4096 pairs = 512 tokens at top-8, far above any decode batch here.
+    # in-register GEMMs against 132 ms with bf16 weights, H200 12-01h). One 26B-A4B layer on the H200 (12-01i,
+    # ``python3 -m perfkit.kernels.moe --sweep --quant nvfp4``, sorted vs dequant): T = 512 0.76 vs 1.02 ms,
+    # 1024 1.10 vs 1.14, 8192 5.50 vs 3.07. Linear between the last two, they cross near T = 1150; 12288 pairs
+    # (T = 1536 at top-8) is past it, an interpolation, not a measured point.
     prefill_dequant = False
-    dequant_min_pairs = 4096
+    dequant_min_pairs = 12288
 
     @property
     def fused(self) -> bool:
