@@ -80,7 +80,7 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
     ),
     "moe_prefill": (
         ("quantized", "dequant"),
-        "quantized",
+        "dequant",
         "NVFP4 / FP8 MoE experts at prefill sizes (at or above QuantizedExperts.dequant_min_pairs routed pairs, 12288 "
         "= 1536 tokens at top-8): the grouped GEMMs that dequantise each weight tile in registers (quantized) vs "
         "every expert dequantised into a bf16 scratch once per layer, then the bf16 grouped GEMMs (dequant); no "
@@ -121,7 +121,7 @@ class Toggles(BaseModel):
     nvtx: Literal["on", "off"] = "on"
     overlap: Literal["on", "off"] = "on"
     moe_gather: Literal["gemv", "kernels"] = "kernels"
-    moe_prefill: Literal["quantized", "dequant"] = "quantized"
+    moe_prefill: Literal["quantized", "dequant"] = "dequant"
     attention: Literal["auto", "flashinfer", "torch"] = "auto"
 
     @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", mode="before")

@@ -72,7 +72,7 @@ class EngineConfig:
     fused_kernels: bool = False  # Triton RMSNorm / GeGLU / QK-norm+RoPE / MoE instead of the PyTorch ops
     overlap: bool = True  # prepare step N+1 on the host while the GPU runs step N (see the module docstring)
     moe_gather: str = "kernels"  # gemv | kernels: NVFP4 experts at decode sizes (Gemma4ForCausalLM.set_moe_gather)
-    moe_prefill: str = "quantized"  # quantized | dequant: quantised experts at prefill sizes (set_moe_prefill)
+    moe_prefill: str = "dequant"  # quantized | dequant: quantised experts at prefill sizes (set_moe_prefill)
     num_kv_pages: int | None = None  # override: pages per pool (tests); else kv_cache_bytes; else measured
     kv_cache_bytes: int | None = None  # override: KV budget in bytes (before the split between pools)
     decode_use_tensor_cores: bool | None = None  # flashinfer decode; None = by pool and batch (measured rule)

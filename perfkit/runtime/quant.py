@@ -352,7 +352,7 @@ class QuantizedExperts(nn.Module):
     # ``python3 -m perfkit.kernels.moe --sweep --quant nvfp4``, sorted vs dequant): T = 512 0.76 vs 1.02 ms,
     # 1024 1.10 vs 1.14, 8192 5.50 vs 3.07. Linear between the last two, they cross near T = 1150; 12288 pairs
     # (T = 1536 at top-8) is past it, an interpolation, not a measured point.
-    prefill_dequant = False
+    prefill_dequant = True
     dequant_min_pairs = 12288
 
     @property
