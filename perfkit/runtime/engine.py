@@ -195,12 +195,13 @@ class Engine:
         prefill follows, of one token fewer (or down to a multiple of 16): Triton specialises an integer argument
         on whether it is a multiple of 16, so a step's token count (and T * top_k) in either class compiles its
         kernels here, not in the first measured step that mixes decodes into a prefill chunk (H200 12-01h: 4
-        compiles, 2.7 s, inside a 26B-A4B NVFP4 c64 window without it)."""
+        compiles, 2.7 s, inside a 26B-A4B NVFP4 c64 window without it). Then the same pair at an eighth of the
+        size: quantised MoE experts take another path below ``QuantizedExperts.dequant_min_pairs`` (12-01i: with
+        the dequant path the default, 4 compiles of the sorted GEMMs' prefill tiles inside a c64 window)."""
         n = min(self.ec.max_num_tokens, self.ec.max_model_len - 1)
         pages = {pool: self._pages_needed(spec.window, n + 1) + 1 for pool, spec in pool_specs(self.layers).items()}
         self._build(pages, graphs=False)
-        other = n - 1 if n % 16 == 0 else n - n % 16  # the other class, as large as it can be
-        for tokens in (n, other) if other > 0 else (n,):  # one at a time: the cache holds one
+        for tokens in _warmup_prefill_tokens(n):  # one at a time: the cache holds one
             self.add_request([self.cfg.bos_token_id] * tokens, max_new_tokens=1)
             while self.has_unfinished():
                 self.step()
@@ -463,3 +464,13 @@ class Engine:
             kv_dtype=str(self.kv_dtype).removeprefix("torch."),
             kv_scales=self.kv_scales.summary() if self.kv_scales is not None else {},
         )
+
+
+def _warmup_prefill_tokens(n: int) -> list[int]:
+    """The KV-sizing warmup's prefill sizes for a largest prefill of n tokens: n and n // 8, each with its other
+    multiple-of-16 class (one fewer, or down to a multiple of 16), as large as it can be; no size below 1."""
+    sizes: list[int] = []
+    for m in (n, n // 8):
+        other = m - 1 if m % 16 == 0 else m - m % 16
+        sizes += [t for t in (m, other) if t > 0 and t not in sizes]
+    return sizes
