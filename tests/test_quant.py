@@ -784,10 +784,11 @@ def test_moe_prefill_toggle_routes_prefill_sizes_to_the_dequant_path(monkeypatch
     ec = EngineConfig(
         attention="torch", page_size=4, num_kv_pages=64, cuda_graphs=False, mask="dense", max_model_len=64
     )
-    eng = Engine(q, get_preset("tiny-moe"), ec)  # the default, quantized, set on the experts
-    assert eng.toggles()["moe_prefill"] == "quantized" and not any(m.prefill_dequant for m in experts)
-    eng.set_toggle("moe_prefill", "dequant")
+    q.set_moe_prefill("quantized")
+    eng = Engine(q, get_preset("tiny-moe"), ec)  # the default, dequant (12-01i), set on the experts
     assert eng.toggles()["moe_prefill"] == "dequant" and all(m.prefill_dequant for m in experts)
+    eng.set_toggle("moe_prefill", "quantized")
+    assert eng.toggles()["moe_prefill"] == "quantized" and not any(m.prefill_dequant for m in experts)
     with pytest.raises(PerfkitError, match="unknown toggle"):
         eng.set_toggle("moe_prefill", "fast")
 
