@@ -738,8 +738,10 @@ GEMV_WIDE_SHORT_PROGRAMS_PER_SM = 12
 DOT_TINY_CONFIG = W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 # M 17-64: the swapped tile (weight rows on the wgmma's M side) with the scales a step ahead. H200 12-01i
 # (docs/h200-runs/2026-12-01i/1-w4a16_dot.jsonl, M 32 and 64 x four 31B shapes): geomean 1.055x the per-shape
-# best against 1.185x for the previous 64 x 64 x 128; 43008 x 5376 at M = 32 197-208 vs 274 us, at M = 64 191.5
-# vs 254 us. At M = 16 the 16 x 64 x 128 tile stays ahead (1.07x against 1.16x for the best swapped tile).
+# best against 1.185x for the previous 64 x 64 x 128; 43008 x 5376 at M = 32 207.7 vs 318.1 us, at M = 64 191.5
+# vs 254.0 us; slower on three of the eight (shape, M): 5376 x 16384 at M = 32 (+11.6 %), 5376 x 21504 and
+# 16384 x 5376 at M = 64 (+5.4 %, +4.7 %). At M = 16 the 16 x 64 x 128 tile stays ahead (1.07x against 1.16x
+# for the best swapped tile).
 DOT_SMALL_CONFIG = W4A16Config(
     block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, swap_ab=True, scales_ahead=True
 )
