@@ -5,7 +5,7 @@ import torch
 
 from perfkit.errors import PerfkitError
 from perfkit.runtime.cuda_graphs import graph_batch_sizes
-from perfkit.runtime.engine import Engine, EngineConfig
+from perfkit.runtime.engine import Engine, EngineConfig, _warmup_prefill_tokens
 from perfkit.runtime.kv_cache import bytes_per_page, plan_kv_pages, pool_specs
 from perfkit.runtime.model_config import get_preset
 from perfkit.runtime.weights import build_model
@@ -15,6 +15,22 @@ def test_graph_batch_sizes():
     assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert graph_batch_sizes(3) == [1, 2, 3]
+
+
+def test_warmup_prefill_sizes_cover_both_divisibility_classes_at_two_scales():
+    """The KV-sizing warmup prefills n and n // 8 tokens, each in both multiple-of-16 classes (Triton specialises
+    integer arguments on it), so neither the largest chunk's kernels nor those of the quantised MoE's sorted path
+    (below dequant_min_pairs) compile inside a measured window; small n gives no size below 1 and no repeats."""
+    assert _warmup_prefill_tokens(8192) == [8192, 8191, 1024, 1023]
+    assert _warmup_prefill_tokens(4095) == [4095, 4080, 511, 496]
+    assert _warmup_prefill_tokens(8) == [8, 1]
+    assert _warmup_prefill_tokens(1) == [1]
+    for n in range(1, 300):
+        sizes = _warmup_prefill_tokens(n)
+        assert sizes[0] == n and all(1 <= t <= n for t in sizes) and len(set(sizes)) == len(sizes)
+        for m in (n, n // 8):
+            if m >= 16:  # m itself and a size of the other class within 16 tokens below it
+                assert m in sizes and any((t % 16 == 0) != (m % 16 == 0) for t in sizes if m - 16 < t <= m)
 
 
 def test_logits_into_a_buffer_are_bit_identical():
