@@ -46,6 +46,12 @@ NVTX_FIELDS = tuple(f"{w}_{s}_ms" for w in ("host", "device") for s in ("mean", 
 # where a step's device time goes, so an A/B that fuses kernels shows fewer kernels and less idle time. All lower.
 PROFILE_FIELDS = ("kernels_per_step", "device_busy_ms_per_step", "idle_ms_per_step")
 PROFILE_GAP_FIELDS = ("launch_gap_ms_per_step", "host_gap_ms_per_step")
+# From NVML (`telemetry.summary`): the clock and power an arm ran at, beside its times. A faster arm that draws
+# more power may run at a lower clock under the power cap; a slower one may have run throttled. Higher SM clock is
+# better; lower power and a lower throttled fraction (of samples with a slowdown reason) are.
+TELEMETRY_FIELDS = {"sm_clock_mhz": ("SM clock", "MHz", "higher"), "power_w": ("power", "W", "lower"),
+                    "throttled": ("throttled samples", "fraction", "lower")}  # fmt: skip
+CLOCK_WARN_PCT = 3.0  # mean SM clocks further apart than this: a comparability warning
 
 _METRIC_RE = re.compile(
     r"^(?:(?P<dist>ttft_ms|tpot_ms|itl_ms|e2el_ms|queue_ms|per_user_tok_s)\.(?P<stat>mean|p50|p90|p95|p99)"
@@ -53,14 +59,16 @@ _METRIC_RE = re.compile(
     r"|memory\.(?P<phase>[^.]+)\.(?P<mem>peak_allocated_bytes|peak_reserved_bytes)"
     r"|nvtx\.(?P<range>.+)\.(?P<nv>(?:host|device)_(?:mean|p50|p99|total)_ms)"
     r"|profile\.(?P<prof>kernels_per_step|device_busy_ms_per_step|idle_ms_per_step|launch_gap_ms_per_step"
-    r"|host_gap_ms_per_step))$"
+    r"|host_gap_ms_per_step)"
+    r"|telemetry\.(?P<tel>sm_clock_mhz|power_w|throttled)\.(?P<tstat>mean|max))$"
 )
 METRIC_FORMS = (
     "<ttft|tpot|itl|e2el|queue>_ms.<mean|p50|p90|p95|p99>, per_user_tok_s.<stat>, output_tok_s, total_tok_s, request_s, "
     "output_tok_s_per_gpu, total_tok_s_per_gpu, "
     "goodput_request_s, memory.<phase>.<peak_allocated_bytes|peak_reserved_bytes>, "
     "nvtx.<range>.<host|device>_<mean|p50|p99|total>_ms, "
-    "profile.<kernels_per_step|device_busy_ms_per_step|idle_ms_per_step|launch_gap_ms_per_step|host_gap_ms_per_step>"
+    "profile.<kernels_per_step|device_busy_ms_per_step|idle_ms_per_step|launch_gap_ms_per_step|host_gap_ms_per_step>, "
+    "telemetry.<sm_clock_mhz|power_w|throttled>.<mean|max>"
 )
 
 DEFINITIONS = (
@@ -164,9 +172,11 @@ class Report:
 
 def _direction(path: str) -> st.Direction:
     """st.direction, plus the per-GPU throughputs (higher is better; their names do not end in _tok_s) and the
-    profiler's per-step counts and times (lower)."""
+    profiler's per-step counts and times (lower), and NVML's (TELEMETRY_FIELDS)."""
     if path.startswith("profile."):
         return "lower"
+    if path.startswith("telemetry."):
+        return TELEMETRY_FIELDS[path.split(".")[1]][2]  # type: ignore[return-value]
     return "higher" if path in PER_GPU_THROUGHPUTS else st.direction(path)
 
 
@@ -204,6 +214,9 @@ def metric_label(path: str) -> tuple[str, str]:
             "launch_gap_ms_per_step": ("profile: launch gaps per step", "ms"),
             "host_gap_ms_per_step": ("profile: host gaps per step", "ms"),
         }[m["prof"]]
+    if m["tel"]:
+        what, unit, _ = TELEMETRY_FIELDS[m["tel"]]
+        return f"NVML {what} {m['tstat']}", unit
     where, stat = m["nv"][:-3].split("_")
     return f"NVTX {m['range']} {where} {stat}", "ms"
 
@@ -222,6 +235,9 @@ def _repeat_value(s: ScenarioResult, path: str) -> float | None:
     elif m["prof"]:
         prof = s.runtime.get("profile") or {}
         v = (prof.get("idle_gaps") or {}).get(m["prof"]) if m["prof"] in PROFILE_GAP_FIELDS else prof.get(m["prof"])
+    elif m["tel"]:
+        if s.telemetry is not None and s.telemetry.available:
+            v = (s.telemetry.summary.get(m["tel"]) or {}).get(m["tstat"])
     else:
         r = s.nvtx.get(m["range"])
         v = getattr(r, m["nv"]) if r is not None else None
@@ -246,6 +262,9 @@ def available_metrics(s: ScenarioResult) -> list[str]:
     if prof.get("kernels"):  # a torch profiler window with device kernels (results before 12-01g: no idle_gaps)
         out += [f"profile.{f}" for f in PROFILE_FIELDS if prof.get(f) is not None]
         out += [f"profile.{f}" for f in PROFILE_GAP_FIELDS if (prof.get("idle_gaps") or {}).get(f) is not None]
+    if s.telemetry is not None and s.telemetry.available:
+        summary = s.telemetry.summary
+        out += [f"telemetry.{f}.{q}" for f in TELEMETRY_FIELDS for q in ("mean", "max") if q in (summary.get(f) or {})]
     return out
 
 
@@ -258,6 +277,7 @@ def default_metrics(s: ScenarioResult) -> list[str]:
     out += [p for p in available_metrics(s) if p.startswith("memory.") and p.endswith("peak_allocated_bytes")]
     out += [p for p in available_metrics(s) if p.startswith("nvtx.") and p.endswith(("host_mean_ms", "device_mean_ms"))]
     out += [p for p in available_metrics(s) if p.startswith("profile.")]
+    out += [p for p in available_metrics(s) if p.startswith("telemetry.") and p.endswith(".mean")]
     return out
 
 
@@ -426,7 +446,18 @@ def comparability_warnings(a: Loaded, b: Loaded, pairs: Iterable[tuple[Side, Sid
                 detail = ", ".join(f"repeat {r}: {j['compiles']} in {j.get('seconds', 0):.2f} s" for r, j in hit)
                 out.append(f"{sa.scenario}: {who} compiled Triton kernels inside its measured window ({detail}): its "
                            f"times include the compiles")  # fmt: skip
+        clocks = [_mean_sm_clock(side) for side in (sa, sb)]
+        if None not in clocks and abs(clocks[1] / clocks[0] - 1) * 100 > CLOCK_WARN_PCT:  # type: ignore[operator]
+            who = (sa.arm, sb.arm) if same_file else ("A", "B")
+            out.append(f"{sa.scenario}: the mean SM clock differs, {who[0]} {clocks[0]:.0f} MHz, {who[1]} "
+                       f"{clocks[1]:.0f} MHz (NVML): a time difference includes the clocks'")  # fmt: skip
     return out
+
+
+def _mean_sm_clock(side: Side) -> float | None:
+    """The mean NVML SM clock over a side's repeats; None where a repeat has no telemetry."""
+    vals = [_repeat_value(s, "telemetry.sm_clock_mhz.mean") for s in side.repeats]
+    return None if not vals or None in vals or not all(vals) else math.fsum(vals) / len(vals)  # type: ignore[arg-type]
 
 
 def _gpu_name(p: dict[str, Any]) -> str:
@@ -587,9 +618,11 @@ def compare_metric(
 
 def _noise_notes(a: Side, b: Side, metrics: list[str]) -> list[str]:
     """CV, slow-first-repeat and outlier-repeat diagnostics on the headline metrics (p50/mean, throughput,
-    memory); per-repeat p90/p99 wobble by nature and would only add noise about the noise."""
+    memory); per-repeat p90/p99 wobble by nature and would only add noise about the noise. NVML's rows are
+    context, not measurements of the code (a throttled fraction near 0 has a meaningless CV): left out."""
     notes: list[str] = []
     heads = [p for p in metrics if p.endswith((".p50", ".mean")) or p in THROUGHPUTS or p.startswith("memory.")]
+    heads = [p for p in heads if not p.startswith("telemetry.")]
     for side in (a, b):
         if len(side.repeats) < 3:
             continue

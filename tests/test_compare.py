@@ -229,6 +229,46 @@ def test_jit_compiles_in_a_measured_window_are_a_warning(tmp_path):
     ]
 
 
+def test_telemetry_rows_and_a_clock_difference_warning(tmp_path):
+    """NVML's summary (telemetry.summary) gives rows per scenario: SM clock (higher is better), power and the
+    throttled fraction (lower), means by default, maxima on request. Mean SM clocks more than CLOCK_WARN_PCT
+    apart are a comparability warning; results without telemetry have neither."""
+    from perfkit.results import TelemetrySection
+
+    scen, reqs = [], []
+    for rep in range(3):
+        for arm, clock, power, thr in (("a", 1760.0, 630.0, 0.2), ("b", 1600.0, 690.0, 1.0)):
+            r = requests_for(
+                "decode", arm, rep, _fixed(30, 40.0, 1.0, 13), _fixed(30, 8.0, 0.05, 9), t0_ns=rep * 10**10
+            )
+            reqs += r
+            sc = scenario_from_requests("decode", arm, rep, r)
+            sc.telemetry = TelemetrySection(available=True, samples=40, summary={
+                "sm_clock_mhz": {"mean": clock + rep, "max": 1980.0}, "power_w": {"mean": power - rep, "max": 700.0},
+                "throttled": {"mean": thr * (0.1, 0.5, 1.0)[rep], "max": 1.0},
+                "temperature_c": {"mean": 60.0, "max": 63.0}})  # fmt: skip
+            scen.append(sc)
+    report = cmp.compare(write_run(tmp_path / "ab", scen, reqs, prov=provenance()))
+    rows = {r.metric: r for r in report.comparisons[0].rows if r.metric.startswith("telemetry.")}
+    assert list(rows) == ["telemetry.sm_clock_mhz.mean", "telemetry.power_w.mean", "telemetry.throttled.mean"]
+    assert rows["telemetry.sm_clock_mhz.mean"].unit == "MHz" and rows["telemetry.sm_clock_mhz.mean"].verdict == "worse"
+    assert rows["telemetry.power_w.mean"].verdict == "worse" and rows["telemetry.throttled.mean"].unit == "fraction"
+    assert cmp.metric_label("telemetry.power_w.max") == ("NVML power max", "W")
+    assert "telemetry.sm_clock_mhz.max" in cmp.available_metrics(scen[0])
+    assert not [n for n in report.comparisons[0].notes if "NVML" in n]  # context rows: no noise diagnostics
+    assert [w for w in report.warnings if "SM clock" in w] == [
+        "decode: the mean SM clock differs, a 1761 MHz, b 1601 MHz (NVML): a time difference includes the clocks'"
+    ]
+    for sc in scen[1::2]:
+        sc.telemetry.summary["sm_clock_mhz"]["mean"] = 1740.0  # 1.2 % apart: no warning
+    assert not [w for w in cmp.compare(write_run(tmp_path / "near", scen, reqs)).warnings if "SM clock" in w]
+    plain = cmp.compare(ab_run(tmp_path / "plain", repeats=1, n=30))
+    assert not [r for r in plain.comparisons[0].rows if r.metric.startswith("telemetry.")]
+    assert not [w for w in plain.warnings if "SM clock" in w]
+    with pytest.raises(PerfkitError, match="telemetry"):
+        cmp.validate_metric("telemetry.temperature_c.mean")
+
+
 # ---------------------------------------------------------------------------------------- comparability
 
 
