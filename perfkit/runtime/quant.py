@@ -353,6 +353,7 @@ class QuantizedExperts(nn.Module):
     # 1024 1.10 vs 1.14, 8192 5.50 vs 3.07. Linear between the last two, they cross near T = 1150; 12288 pairs
     # (T = 1536 at top-8) is past it, an interpolation, not a measured point. On by default (the toggle's default
     # too) since configs/ab_moe_prefill.yaml on the H200 (12-01i): 8K forward_prefill -25.8 %, c64 output +24.4 %.
+    # FP8 experts take the same threshold; their crossover is not measured (``--sweep --quant fp8`` times it).
     prefill_dequant = True
     dequant_min_pairs = 12288
 
