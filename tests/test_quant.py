@@ -442,6 +442,21 @@ def test_w4a16_dot_swap_ab_and_scales_ahead(dtype, swap_ab, scales_ahead):
         w4a16_gemm(x, q, s, gs, config=dataclasses.replace(cfg0, block_m=4), path="gemv")
 
 
+def test_w4a16_every_sweep_dot_tile_and_the_default_computes_the_product():
+    """Each dot tile the H200 sweep times (SWEEP_CONFIGS["dot"], the 128-row swapped ones of 12-01i included) and
+    DOT_SMALL_CONFIG (swapped, scales ahead since 12-01i) against the reference: 130 rows, two row blocks of the
+    largest tile, columns past N, K over several steps."""
+    import perfkit.kernels.w4a16_gemm as wk
+
+    x, q, s, gs = _operands(130, 40, 256, torch.bfloat16, seed=5)
+    tiles = {c for c in wk.SWEEP_CONFIGS["dot"] if c is not None} | {wk.DOT_SMALL_CONFIG}
+    assert wk.DOT_SMALL_CONFIG.swap_ab and wk.DOT_SMALL_CONFIG.scales_ahead
+    for cfg in sorted(tiles, key=str):
+        M = 130 if cfg.block_m >= 64 else 20
+        out = w4a16_gemm(x[:M], q, s, gs, out_dtype=torch.float32, config=cfg, path="dot")
+        _assert_w4a16_close(out, x[:M], q, s, gs)
+
+
 def test_global_scale_runs_and_the_alpha_gemm():
     """The prefill GEMM's host runs of the global scale (one per merged module) and the cuBLAS-alpha product that
     writes each run's columns in place (here on the CPU, where torch.addmm takes the same views): within the

@@ -1398,6 +1398,12 @@ SWEEP_CONFIGS: dict[str, tuple[W4A16Config | None, ...]] = {
         W4A16Config(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, swap_ab=True),
         W4A16Config(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, swap_ab=True, scales_ahead=True),
         W4A16Config(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3, swap_ab=True),
+        # 12-01i, not yet timed: swapped tiles for M 65-512, where DOT_LARGE_CONFIG (M 65-127) and dequant_mm
+        # (M >= 128, DEQUANT_MM_MIN_M: a bf16 copy of the weight written and read back per call) decide now. Offline
+        # sm_90 compile (triton 3.6): 128 registers, no stack, for the first two; 174 for the third; all wgmma
+        W4A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, swap_ab=True, scales_ahead=True),
+        W4A16Config(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=3, swap_ab=True, scales_ahead=True),
+        W4A16Config(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, swap_ab=True, scales_ahead=True),
     ),
     "dequant_mm": (None,),
 }
