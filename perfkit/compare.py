@@ -277,7 +277,8 @@ def default_metrics(s: ScenarioResult) -> list[str]:
     out += [p for p in available_metrics(s) if p.startswith("memory.") and p.endswith("peak_allocated_bytes")]
     out += [p for p in available_metrics(s) if p.startswith("nvtx.") and p.endswith(("host_mean_ms", "device_mean_ms"))]
     out += [p for p in available_metrics(s) if p.startswith("profile.")]
-    out += [p for p in available_metrics(s) if p.startswith("telemetry.") and p.endswith(".mean")]
+    out += [p for p in ("telemetry.sm_clock_mhz.mean", "telemetry.power_w.mean") if p in have]  # not the
+    # throttled fraction: a % change of a fraction near 0 is meaningless (0.08 -> 1.0 is +1100 %; --metrics has it)
     return out
 
 

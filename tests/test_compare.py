@@ -250,9 +250,12 @@ def test_telemetry_rows_and_a_clock_difference_warning(tmp_path):
             scen.append(sc)
     report = cmp.compare(write_run(tmp_path / "ab", scen, reqs, prov=provenance()))
     rows = {r.metric: r for r in report.comparisons[0].rows if r.metric.startswith("telemetry.")}
-    assert list(rows) == ["telemetry.sm_clock_mhz.mean", "telemetry.power_w.mean", "telemetry.throttled.mean"]
+    assert list(rows) == ["telemetry.sm_clock_mhz.mean", "telemetry.power_w.mean"]  # the throttled fraction on request
     assert rows["telemetry.sm_clock_mhz.mean"].unit == "MHz" and rows["telemetry.sm_clock_mhz.mean"].verdict == "worse"
-    assert rows["telemetry.power_w.mean"].verdict == "worse" and rows["telemetry.throttled.mean"].unit == "fraction"
+    assert rows["telemetry.power_w.mean"].verdict == "worse"
+    picked = cmp.compare(write_run(tmp_path / "pick", scen, reqs), metrics=["telemetry.throttled.mean"])
+    (thr_row,) = picked.comparisons[0].rows
+    assert thr_row.metric == "telemetry.throttled.mean" and thr_row.unit == "fraction"
     assert cmp.metric_label("telemetry.power_w.max") == ("NVML power max", "W")
     assert "telemetry.sm_clock_mhz.max" in cmp.available_metrics(scen[0])
     assert not [n for n in report.comparisons[0].notes if "NVML" in n]  # context rows: no noise diagnostics
