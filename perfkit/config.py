@@ -79,12 +79,12 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "(kernels); larger batches take the sorted grouped GEMMs either way; no effect on other experts",
     ),
     "moe_prefill": (
-        ("quantized", "dequant"),
-        "dequant",
+        ("auto", "quantized", "dequant"),
+        "auto",
         "NVFP4 / FP8 MoE experts at prefill sizes (at or above QuantizedExperts.dequant_min_pairs routed pairs, 12288 "
         "= 1536 tokens at top-8): the grouped GEMMs that dequantise each weight tile in registers (quantized) vs "
-        "every expert dequantised into a bf16 scratch once per layer, then the bf16 grouped GEMMs (dequant); no "
-        "effect on other experts",
+        "every expert dequantised into a bf16 scratch once per layer, then the bf16 grouped GEMMs (dequant); auto: "
+        "dequant for NVFP4 experts (H200 A/B), quantized for FP8 experts (not measured); no effect on other experts",
     ),
     "attention": (
         ("auto", "flashinfer", "torch"),
@@ -121,7 +121,7 @@ class Toggles(BaseModel):
     nvtx: Literal["on", "off"] = "on"
     overlap: Literal["on", "off"] = "on"
     moe_gather: Literal["gemv", "kernels"] = "kernels"
-    moe_prefill: Literal["quantized", "dequant"] = "dequant"
+    moe_prefill: Literal["auto", "quantized", "dequant"] = "auto"
     attention: Literal["auto", "flashinfer", "torch"] = "auto"
 
     @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", mode="before")
@@ -143,7 +143,7 @@ class PartialToggles(BaseModel):
     nvtx: Literal["on", "off"] | None = None
     overlap: Literal["on", "off"] | None = None
     moe_gather: Literal["gemv", "kernels"] | None = None
-    moe_prefill: Literal["quantized", "dequant"] | None = None
+    moe_prefill: Literal["auto", "quantized", "dequant"] | None = None
     attention: Literal["auto", "flashinfer", "torch"] | None = None
 
     @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", mode="before")

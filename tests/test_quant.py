@@ -772,7 +772,8 @@ def test_moe_gather_toggle_reaches_the_quantised_experts():
 def test_moe_prefill_toggle_routes_prefill_sizes_to_the_dequant_path(monkeypatch):
     """Toggle moe_prefill: the model sets prefill_dequant on its quantised experts, the engine reports and switches
     it live; with dequant, pairs at or above dequant_min_pairs take fused_moe_quantized(path="dequant") and fewer
-    stay on the sorted GEMMs; the quantized arm never takes it; a bad value is refused."""
+    stay on the sorted GEMMs; the quantized arm never takes it; auto (the default) takes it for NVFP4 experts only
+    (measured on the H200, 12-01i), not for FP8 ones; a bad value is refused."""
     import perfkit.runtime.quant as quant_mod
     from perfkit.runtime.engine import Engine, EngineConfig
 
@@ -796,14 +797,21 @@ def test_moe_prefill_toggle_routes_prefill_sizes_to_the_dequant_path(monkeypatch
     e.prefill_dequant = False
     e(torch.zeros(40, H), torch.zeros(40, 2, dtype=torch.long), torch.ones(40, 2))
     assert paths == ["dequant", "sorted"]
+    e.prefill_dequant = None  # auto
+    e(torch.zeros(40, H), torch.zeros(40, 2, dtype=torch.long), torch.ones(40, 2))
+    monkeypatch.setattr(e, "backend", "fp8-triton")
+    e(torch.zeros(40, H), torch.zeros(40, 2, dtype=torch.long), torch.ones(40, 2))
+    assert paths == ["dequant", "sorted", "dequant", "sorted"]
     ec = EngineConfig(
         attention="torch", page_size=4, num_kv_pages=64, cuda_graphs=False, mask="dense", max_model_len=64
     )
     q.set_moe_prefill("quantized")
-    eng = Engine(q, get_preset("tiny-moe"), ec)  # the default, dequant (12-01i), set on the experts
-    assert eng.toggles()["moe_prefill"] == "dequant" and all(m.prefill_dequant for m in experts)
+    eng = Engine(q, get_preset("tiny-moe"), ec)  # the default, auto (12-01i), set on the experts
+    assert eng.toggles()["moe_prefill"] == "auto" and all(m.prefill_dequant is None for m in experts)
     eng.set_toggle("moe_prefill", "quantized")
-    assert eng.toggles()["moe_prefill"] == "quantized" and not any(m.prefill_dequant for m in experts)
+    assert eng.toggles()["moe_prefill"] == "quantized" and all(m.prefill_dequant is False for m in experts)
+    eng.set_toggle("moe_prefill", "dequant")
+    assert all(m.prefill_dequant is True for m in experts)
     with pytest.raises(PerfkitError, match="unknown toggle"):
         eng.set_toggle("moe_prefill", "fast")
 

@@ -14,7 +14,7 @@ Toggles (settable on a live engine with `set_toggle`; both arms of every toggle 
   cuda_graphs=on|off (decode graphs; only with a backend that supports them, i.e. flashinfer)   overlap=on|off
 Three toggles change the arithmetic's order, so their arms agree to rounding rather than bit for bit:
   fused_kernels=on|off   moe_gather=gemv|kernels (NVFP4 experts at decode sizes; no effect on other models)
-  moe_prefill=quantized|dequant (NVFP4 / FP8 experts at prefill sizes; no effect on other models)
+  moe_prefill=auto|quantized|dequant (NVFP4 / FP8 experts at prefill sizes; no effect on other models)
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ TOGGLES = {
     "nvtx": ("on", "off"),
     "overlap": ("on", "off"),
     "moe_gather": ("gemv", "kernels"),
-    "moe_prefill": ("quantized", "dequant"),
+    "moe_prefill": ("auto", "quantized", "dequant"),
 }
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}  # fmt: skip
@@ -72,7 +72,7 @@ class EngineConfig:
     fused_kernels: bool = False  # Triton RMSNorm / GeGLU / QK-norm+RoPE / MoE instead of the PyTorch ops
     overlap: bool = True  # prepare step N+1 on the host while the GPU runs step N (see the module docstring)
     moe_gather: str = "kernels"  # gemv | kernels: NVFP4 experts at decode sizes (Gemma4ForCausalLM.set_moe_gather)
-    moe_prefill: str = "dequant"  # quantized | dequant: quantised experts at prefill sizes (set_moe_prefill)
+    moe_prefill: str = "auto"  # auto | quantized | dequant: quantised experts at prefill sizes (set_moe_prefill)
     num_kv_pages: int | None = None  # override: pages per pool (tests); else kv_cache_bytes; else measured
     kv_cache_bytes: int | None = None  # override: KV budget in bytes (before the split between pools)
     decode_use_tensor_cores: bool | None = None  # flashinfer decode; None = by pool and batch (measured rule)

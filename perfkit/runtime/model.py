@@ -509,14 +509,15 @@ class Gemma4ForCausalLM(nn.Module):
         return self._set_module_flag("gather_kernels", kind == "kernels")
 
     def set_moe_prefill(self, kind: str) -> bool:
-        """Quantised experts at prefill sizes: "quantized" (the grouped GEMMs dequantising in registers) or
-        "dequant" (the experts dequantised into a scratch, then the bf16 grouped GEMMs). Sets ``prefill_dequant``
-        on every module that has one (``QuantizedExperts``); returns whether any has."""
-        if kind not in ("quantized", "dequant"):
-            raise ValueError(f"moe_prefill {kind!r}: allowed values are quantized, dequant")
-        return self._set_module_flag("prefill_dequant", kind == "dequant")
+        """Quantised experts at prefill sizes: "quantized" (the grouped GEMMs dequantising in registers),
+        "dequant" (the experts dequantised into a scratch, then the bf16 grouped GEMMs) or "auto" (each format's
+        measured choice, ``QuantizedExperts.prefill_dequant`` None). Sets ``prefill_dequant`` on every module that
+        has one; returns whether any has."""
+        if kind not in ("auto", "quantized", "dequant"):
+            raise ValueError(f"moe_prefill {kind!r}: allowed values are auto, quantized, dequant")
+        return self._set_module_flag("prefill_dequant", None if kind == "auto" else kind == "dequant")
 
-    def _set_module_flag(self, name: str, value: bool) -> bool:
+    def _set_module_flag(self, name: str, value: bool | None) -> bool:
         """``name = value`` on every submodule whose class declares ``name``; whether any does."""
         found = False
         for m in self.modules():

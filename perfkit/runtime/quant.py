@@ -351,10 +351,11 @@ class QuantizedExperts(nn.Module):
     # in-register GEMMs against 132 ms with bf16 weights, H200 12-01h). One 26B-A4B layer on the H200 (12-01i,
     # ``python3 -m perfkit.kernels.moe --sweep --quant nvfp4``, sorted vs dequant): T = 512 0.76 vs 1.02 ms,
     # 1024 1.10 vs 1.14, 8192 5.50 vs 3.07. Linear between the last two, they cross near T = 1150; 12288 pairs
-    # (T = 1536 at top-8) is past it, an interpolation, not a measured point. On by default (the toggle's default
-    # too) since configs/ab_moe_prefill.yaml on the H200 (12-01i): 8K forward_prefill -25.8 %, c64 output +24.4 %.
-    # FP8 experts take the same threshold; their crossover is not measured (``--sweep --quant fp8`` times it).
-    prefill_dequant = True
+    # (T = 1536 at top-8) is past it, an interpolation, not a measured point. prefill_dequant None (moe_prefill=auto,
+    # the default): the dequant path for NVFP4 experts, since configs/ab_moe_prefill.yaml on the H200 (12-01i: 8K
+    # forward_prefill -25.8 %, c64 output +24.4 %), the in-register GEMMs for FP8 experts, whose decode is a cast
+    # and whose crossover is not measured (``--sweep --quant fp8`` times it). True / False force either path.
+    prefill_dequant: bool | None = None
     dequant_min_pairs = 12288
 
     @property
@@ -436,7 +437,8 @@ class QuantizedExperts(nn.Module):
                 return fused_moe_quantized(x, gu, self.quant_weights("down_proj"), w, idx, path="gather")
         small = pairs <= self.gather_max_rows
         if self.backend == "fp8-triton" or (self.backend == "w4a16-triton" and not small):
-            path = "dequant" if self.prefill_dequant and pairs >= self.dequant_min_pairs else "sorted"
+            dequant = self.backend == "w4a16-triton" if self.prefill_dequant is None else self.prefill_dequant
+            path = "dequant" if dequant and pairs >= self.dequant_min_pairs else "sorted"
             gu, dn = self.quant_weights("gate_up_proj"), self.quant_weights("down_proj")
             return fused_moe_quantized(x, gu, dn, w, idx, path=path)
         if small:
