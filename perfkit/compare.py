@@ -451,7 +451,7 @@ def comparability_warnings(a: Loaded, b: Loaded, pairs: Iterable[tuple[Side, Sid
         if None not in clocks and abs(clocks[1] / clocks[0] - 1) * 100 > CLOCK_WARN_PCT:  # type: ignore[operator]
             who = (sa.arm, sb.arm) if same_file else ("A", "B")
             out.append(f"{sa.scenario}: the mean SM clock differs, {who[0]} {clocks[0]:.0f} MHz, {who[1]} "
-                       f"{clocks[1]:.0f} MHz (NVML): a time difference includes the clocks'")  # fmt: skip
+                       f"{clocks[1]:.0f} MHz (NVML): the deltas include the clock difference")  # fmt: skip
     return out
 
 

@@ -260,7 +260,7 @@ def test_telemetry_rows_and_a_clock_difference_warning(tmp_path):
     assert "telemetry.sm_clock_mhz.max" in cmp.available_metrics(scen[0])
     assert not [n for n in report.comparisons[0].notes if "NVML" in n]  # context rows: no noise diagnostics
     assert [w for w in report.warnings if "SM clock" in w] == [
-        "decode: the mean SM clock differs, a 1761 MHz, b 1601 MHz (NVML): a time difference includes the clocks'"
+        "decode: the mean SM clock differs, a 1761 MHz, b 1601 MHz (NVML): the deltas include the clock difference"
     ]
     for sc in scen[1::2]:
         sc.telemetry.summary["sm_clock_mhz"]["mean"] = 1740.0  # 1.2 % apart: no warning
