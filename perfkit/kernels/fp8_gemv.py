@@ -45,14 +45,14 @@ is the single source of truth. No host syncs: CUDA-graph capturable. On CPU the 
 conversion matches torch's for every byte except the NaN codes 0x7F / 0xFF (it returns +-480), which
 ``quantize_fp8_rowwise`` never produces.
 
-Tuning: ``GEMV_CONFIG`` and ``FP8_GEMV_MAX_M`` come from the H200 sweep of 12-01c (``python3 -m
-perfkit.kernels.fp8_gemv --sweep [--out FILE]``, ``sweep_fp8_gemv``: the tiles of ``SWEEP_CONFIGS`` at the 31B's
-decode shapes against bf16 cuBLAS and the W8A8 ``fp8_linear`` path): 36-51 % of the DRAM bound at M = 1.
-``group=16`` (12-01h, not yet timed): each thread holds 16 K of a row per step (one 16-byte weight load, x as two
-16-byte loads) and keeps 4 accumulator chains, one per word (``_fp8_gemv_step16``), as the W4A16 wide gemv does.
-Compiled offline for sm_90 with Triton 3.6 at M = 1 (integer arguments and pointers taken as divisible by 16, as
-the real shapes are), its loop takes 3.5-3.9 SASS instructions per weight byte (4 or 8 rows x 2048) against 5.7
-for GEMV_CONFIG counted the same way, with 104-172 registers against 48. The sweep times it beside the default.
+Tuning: ``FP8_GEMV_MAX_M`` comes from the H200 sweep of 12-01c (``python3 -m perfkit.kernels.fp8_gemv --sweep
+[--out FILE]``, ``sweep_fp8_gemv``: the tiles of ``SWEEP_CONFIGS`` at the 31B's decode shapes against bf16 cuBLAS
+and the W8A8 ``fp8_linear`` path), ``GEMV_CONFIG`` from its rerun of 12-01i: 43.5-63.8 % of the DRAM bound at
+M = 1 with ``group=16`` (36-51 % before). ``group=16``: each thread holds 16 K of a row per step (one 16-byte
+weight load, x as two 16-byte loads) and keeps 4 accumulator chains, one per word (``_fp8_gemv_step16``), as the
+W4A16 wide gemv does. Compiled offline for sm_90 with Triton 3.6 at M = 1 (integer arguments and pointers taken
+as divisible by 16, as the real shapes are), its loop takes 3.5-3.9 SASS instructions per weight byte (4 or 8
+rows x 2048) against 5.7 for the 8-byte 8 x 4 x 1024 tile counted the same way, with 104-172 registers against 48.
 """
 
 from __future__ import annotations
@@ -447,11 +447,13 @@ SWEEP_SHAPES: tuple[tuple[int, int], ...] = (
     (5376, 8192),
 )
 SWEEP_MS: tuple[int, ...] = (1, 2, 4, 8)
-# Tiles timed per (shape, M), None = GEMV_CONFIG: 4-16 weight rows, steps of 256 * num_warps (x in the weight's
-# layout) or twice that, one smaller step (x through shared memory), split-K forced off (1) and on (2). block_m = 8
-# everywhere (each program takes min(8, M) rows); 11 tiles x 4 M x 4 tile heights compile in ~1 s each.
+# Tiles timed per (shape, M), None = GEMV_CONFIG. The 8-byte form: 4-16 weight rows, steps of 256 * num_warps (x
+# in the weight's layout) or twice that, one smaller step (x through shared memory), split-K forced off (1) and on
+# (2), block_m = 8 (each program takes min(8, M) rows); then the 16-byte form with block_m 2. Each tile compiles in
+# ~1 s per M and tile height.
 SWEEP_CONFIGS: tuple[Fp8GemvConfig | None, ...] = (
-    None,  # GEMV_CONFIG: 4 weight rows x 1024, 4 warps
+    None,  # GEMV_CONFIG: since 12-01i the 16-byte 2 x 2 x 2048 tile, 4 warps
+    Fp8GemvConfig(block_m=8, block_n=4, block_k=1024, num_warps=4),  # GEMV_CONFIG from 12-01c to 12-01i
     Fp8GemvConfig(block_m=8, block_n=8, block_k=1024, num_warps=4),  # the first default (12-01c sweep)
     Fp8GemvConfig(block_m=8, block_n=16, block_k=1024, num_warps=4),
     Fp8GemvConfig(block_m=8, block_n=8, block_k=2048, num_warps=4),
@@ -462,12 +464,12 @@ SWEEP_CONFIGS: tuple[Fp8GemvConfig | None, ...] = (
     Fp8GemvConfig(block_m=8, block_n=8, block_k=1024, num_warps=4, split_k=1),
     Fp8GemvConfig(block_m=8, block_n=8, block_k=1024, num_warps=4, split_k=2),
     Fp8GemvConfig(block_m=8, block_n=16, block_k=1024, num_warps=4, split_k=2),
-    # 16-byte groups (12-01h, not yet timed): steps of 512 * num_warps keep x in the weight's layout. At most 2
-    # rows of x per program: 8 rows spill (an sm_90 compile of 8 x 4 x 2048: 255 registers + 424 bytes of stack)
+    # 16-byte groups (12-01h; 2 x 2 x 2048, the GEMV_CONFIG above since 12-01i, was the fourth): steps of
+    # 512 * num_warps keep x in the weight's layout. At most 2 rows of x per program: 8 rows spill (an sm_90
+    # compile of 8 x 4 x 2048: 255 registers + 424 bytes of stack)
     Fp8GemvConfig(block_m=2, block_n=4, block_k=2048, num_warps=4, group=16),
     Fp8GemvConfig(block_m=2, block_n=8, block_k=2048, num_warps=4, group=16),
     Fp8GemvConfig(block_m=2, block_n=4, block_k=4096, num_warps=8, group=16),
-    Fp8GemvConfig(block_m=2, block_n=2, block_k=2048, num_warps=4, group=16),
 )
 SWEEP_WARMUP_MS = 5  # triton.testing.do_bench times (ms): ~25 ms per measurement keeps the sweep near a minute
 SWEEP_REP_MS = 20

@@ -57,7 +57,8 @@ the H200 sweep, ``python3 -m perfkit.kernels.w4a16_gemm --sweep``, sets them):
   cuBLAS multiplies (fp32 output) and one elementwise op applies the global scale and casts. Large M is
   compute-bound, where cuBLAS's tiles beat an in-kernel dequantising GEMM; the scratch costs N*K*2 bytes
   (0.46 GB for the 31B fused gate/up projection) while the call runs. With the global scale as host runs
-  (``gs_runs``, which ``Nvfp4Linear`` caches; 12-01h, not yet timed) cuBLAS applies each run as its alpha and
+  (``gs_runs``, which ``Nvfp4Linear`` caches; 12-01h, on by default since 12-01i: -18 % at the 31B gate|up with
+  8K tokens) cuBLAS applies each run as its alpha and
   writes x's dtype: the same single rounding, without the fp32 [M, N] written and read back (10 bytes per output
   instead of 2; at 8K tokens ~4.6 GB per 31B layer, which would be ~64 ms of the 880 ms NVFP4 prefill step at
   4.3 TB/s, against 740 ms for bf16 weights, H200 12-01h).
@@ -1387,8 +1388,9 @@ SWEEP_CONFIGS: dict[str, tuple[W4A16Config | None, ...]] = {
         W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),
         W4A16Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3),
         W4A16Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, split_k=1),
-        # 12-01h, not yet timed: the default tiles with their scales a step ahead (scales_ahead), and the
-        # transposed form (swap_ab, weight rows on the wgmma's M side) with and without it
+        # 12-01h, timed on 12-01i (h200-runs/2026-12-01i/1-w4a16_dot.jsonl): the default tiles with their scales a
+        # step ahead (scales_ahead), and the transposed form (swap_ab, weight rows on the wgmma's M side) with and
+        # without it; 64 x 128 x 64 swapped with the scales ahead became DOT_SMALL_CONFIG
         W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, scales_ahead=True),
         W4A16Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, scales_ahead=True),
         W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap_ab=True),
