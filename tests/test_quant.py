@@ -911,6 +911,31 @@ def test_fused_moe_quantized_swap_ab_and_scales_ahead_match_reference(scheme, T)
         fused_moe_quantized(x, gu, dn, w, idx, down_tiles={"BLOCK_M": 32})
 
 
+@pytest.mark.parametrize("T", [3, 40])
+def test_fused_moe_quantized_scales_vec_matches_byte_scales(T):
+    """The sorted NVFP4 GEMMs with their block scales addressed from the loop index as 4-byte vectors (SCALES_VEC),
+    alone and with the scales a step ahead: bit for bit the byte loads' output (the same exact tiles, the same
+    sums), and close to fused_moe_ref. Where K or the K step is not a multiple of 64 (or K of the step) the flag
+    falls back to the byte loads (``scales_vec_fit``)."""
+    from perfkit.kernels.moe import fused_moe_quantized, fused_moe_ref, scales_vec_fit
+
+    E, H, inter, K = 6, 128, 64, 2
+    e = _quant_experts("nvfp4", E, H, inter, seed=5)
+    x, w, idx = _routed(T, H, E, K, torch.Generator().manual_seed(6))
+    gu, dn = e.quant_weights("gate_up_proj"), e.quant_weights("down_proj")
+    ref = fused_moe_ref(x, gu.dequantize(), dn.dequantize(), w, idx)
+    base = {"BLOCK_N": 32, "BLOCK_K": 64}
+    plain = fused_moe_quantized(x, gu, dn, w, idx, gate_up_tiles=base, down_tiles=base)
+    torch.testing.assert_close(plain, ref, atol=1e-5, rtol=1e-5)
+    for extra in ({"SCALES_VEC": True}, {"SCALES_VEC": True, "SCALES_AHEAD": True}):
+        t = {**base, **extra}
+        assert torch.equal(fused_moe_quantized(x, gu, dn, w, idx, gate_up_tiles=t, down_tiles=t), plain)
+    assert scales_vec_fit(128, {"BLOCK_K": 64, "SCALES_VEC": True})
+    assert not scales_vec_fit(128, {"BLOCK_K": 64, "SCALES_VEC": False})
+    assert not scales_vec_fit(96, {"BLOCK_K": 64, "SCALES_VEC": True})  # a partial last step
+    assert not scales_vec_fit(64, {"BLOCK_K": 32, "SCALES_VEC": True})  # 2 scales per row and step
+
+
 @pytest.mark.parametrize("T,H,inter,K", [(1, 64, 32, 4), (3, 96, 64, 2)])
 def test_fused_moe_quantized_gather_path_matches_reference(T, H, inter, K):
     """The NVFP4 gather kernels (interpreter): gate_up + GeGLU per pair and down + routing weight + combine per

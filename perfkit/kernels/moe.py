@@ -297,6 +297,7 @@ def _moe_gemm_q_kernel(
     BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
     SCALES_AHEAD: tl.constexpr,
+    SCALES_VEC: tl.constexpr,
 ):
     """_moe_gemm_kernel with quantised expert weights, dequantised in registers (module doc, "Quantised
     experts"): each [BLOCK_N, BLOCK_K] weight tile is decoded once per program step and fed to one tensor-core dot
@@ -311,7 +312,15 @@ def _moe_gemm_q_kernel(
     SCALES_AHEAD (NVFP4) loads the next K step's block scales into registers before this step's decode. Triton's
     pipeliner moves the weight words and A through cp.async stages but leaves the 1-byte scale loads in the loop
     (cp.async moves 4 bytes or more: a plain ``tt.load`` in the sm_90 TTGIR, 12-01h), so without it every step
-    waits a global-memory latency for its scales (the W4A16 dot kernel's ``scales_ahead``)."""
+    waits a global-memory latency for its scales (the W4A16 dot kernel's ``scales_ahead``).
+
+    SCALES_VEC (NVFP4; Kd a multiple of BLOCK_K, BLOCK_K of 64; ``scales_vec_fit``) addresses each step's scales
+    from the loop index with 4-byte-aligned rows, so each thread loads a row's BLOCK_K / 16 scales as one 4-byte
+    vector, which the pipeliner stages by cp.async with the weight words. Why: ncu on the H200 (12-02, T = 64,
+    gate_up) had warps stalled on long scoreboards for 64 % of their cycles and the L1 at 89 % of its throughput
+    with DRAM at 21 %; the loop-carried scale pointers lose their alignment, so each scale was a 1-byte load in the
+    loop. The scales stay uint8 on purpose: an int32 view split in registers made Triton pick kWidth 4 for the dot
+    operand, and the decoded tile then went through shared memory (offline sm_90 TTGIR)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -329,7 +338,10 @@ def _moe_gemm_q_kernel(
             h = tl.arange(0, 2)
             w_rows = tl.multiple_of(rn * stride_wn, 2)  # Kd % 16 == 0: rows start on 8-byte word pairs
             w_ptrs = w_ptr + e64 * stride_we + w_rows[:, None, None] + (2 * g[:, None] + h[None, :])[None, :, :]
-            s_ptrs = s_ptr + e64 * stride_se + rn[:, None] * stride_sn + g[None, :]
+            s_rows = e64 * stride_se + rn * stride_sn
+            if SCALES_VEC:  # the host checked Kd % 64 == 0: every row's scales start on 4 bytes
+                s_rows = tl.multiple_of(s_rows, 4)
+            s_ptrs = s_ptr + s_rows[:, None] + g[None, :]
         else:
             w_ptrs = w_ptr + e64 * stride_we + rn[:, None] * stride_wn + offs_k[None, :]
         if SWAP_AB:
@@ -339,9 +351,9 @@ def _moe_gemm_q_kernel(
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if NVFP4 and SCALES_AHEAD:  # the first step's raw scales (gate rows, and the up rows with GELU_MUL)
-            s_next = _dot_scales(s_ptrs, 0, Kd, g, False)
+            s_next = _q_scales(s_ptrs, 0, Kd, g, SCALES_VEC)
             if GELU_MUL:
-                su_next = _dot_scales(s_ptrs + N * stride_sn, 0, Kd, g, False)
+                su_next = _q_scales(s_ptrs + N * stride_sn, 0, Kd, g, SCALES_VEC)
         for k0 in range(0, Kd, BLOCK_K):
             km = offs_k < Kd - k0
             a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
@@ -352,14 +364,15 @@ def _moe_gemm_q_kernel(
                 w = tl.load(w_ptrs, mask=g_ok[None, :, None], other=0)
                 if SCALES_AHEAD:  # this step's scales came a step ahead; the next step's are loaded now
                     sr = s_next
-                    s_next = _dot_scales(s_ptrs + G, k0 + BLOCK_K, Kd, g, False)  # zeros past Kd
+                    s_ahead = s_ptrs if SCALES_VEC else s_ptrs + G  # VEC: step 0's, indexed by k0
+                    s_next = _q_scales(s_ahead, k0 + BLOCK_K, Kd, g, SCALES_VEC)  # zeros past Kd
                     if GELU_MUL:
                         su = su_next
-                        su_next = _dot_scales(s_ptrs + N * stride_sn + G, k0 + BLOCK_K, Kd, g, False)
+                        su_next = _q_scales(s_ahead + N * stride_sn, k0 + BLOCK_K, Kd, g, SCALES_VEC)
                 else:
-                    sr = _dot_scales(s_ptrs, k0, Kd, g, False)
+                    sr = _q_scales(s_ptrs, k0, Kd, g, SCALES_VEC)
                     if GELU_MUL:
-                        su = _dot_scales(s_ptrs + N * stride_sn, k0, Kd, g, False)
+                        su = _q_scales(s_ptrs + N * stride_sn, k0, Kd, g, SCALES_VEC)
                 sf = (_e4m3_times_2m8(sr) * 4194304.0)[:, :, None]
                 tile = _dequant_tile(w.to(tl.uint32, bitcast=True), sf, ASM)  # [BN, BK] fp32, exact
             else:
@@ -377,7 +390,8 @@ def _moe_gemm_q_kernel(
             a_ptrs += BLOCK_K
             if NVFP4:
                 w_ptrs += BLOCK_K // 8
-                s_ptrs += G
+                if not SCALES_VEC:
+                    s_ptrs += G
             else:
                 w_ptrs += BLOCK_K
         if SWAP_AB:  # [BN, BM] -> [BM, BN], once per program
@@ -387,6 +401,19 @@ def _moe_gemm_q_kernel(
         if GELU_MUL:
             acc_u = acc_u * tl.load(rs_ptr + e64 * stride_re + N + rn)[None, :]
         _store_block(acc, acc_u, c_ptr, topw_ptr, ids, valid, offs_n, nmask, stride_cm, GELU_MUL, MUL_W)
+
+
+@triton.jit
+def _q_scales(s_ptrs, k0, k_hi, g, SCALES_VEC: tl.constexpr):
+    """Raw e4m3 block scales [BN, G] of the K step at k0, zeros past k_hi. SCALES_VEC: ``s_ptrs`` are step 0's and
+    k_hi is a multiple of the step, so one uniform mask per step (it keeps the 4-byte vectors); else ``s_ptrs``
+    are this step's (``_dot_scales``)."""
+    if SCALES_VEC:
+        uniform = (tl.zeros_like(g) + k0) < k_hi  # a splat: constant along the row, so the 4-byte vectors stay
+        s = tl.load(s_ptrs + k0 // 16, mask=uniform[None, :], other=0)
+    else:
+        s = _dot_scales(s_ptrs, k0, k_hi, g, False)
+    return s
 
 
 @triton.jit
@@ -625,6 +652,8 @@ def moe_align(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 # through: the fastest of ``quant_tile_sweep``'s 96 per GEMM (BLOCK_M 16 / 32 x QUANT_TILE_GRID) at T = 64 on the
 # H200, 26B-A4B NVFP4 shapes (docs/h200-runs/2026-12-01h/1-moe_qtiles_T64.jsonl): gate_up 293 us (the bf16
 # ``_tiles``: 307-327), down 125 us (161-167). BLOCK_M 32 lost every pairing (gate_up >= 352 us).
+# The sorted NVFP4 GEMMs load their block scales as 4-byte vectors where K allows (``scales_vec_fit``).
+QUANT_SCALES_VEC = False
 QUANT_DECODE_TILES = {
     "gate_up": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
     "down": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
@@ -867,20 +896,29 @@ def _moe_gemm_q(
         w = s = wq.values.contiguous()
         s_strides = (0, 0)
     gate_up = stage == "gate_up"
+    vec = wq.fmt == "nvfp4" and scales_vec_fit(kd, tiles)
     _moe_gemm_q_kernel[(block_expert.numel(), triton.cdiv(n, tiles["BLOCK_N"]))](
         a, w, s, rs, out, sorted_ids, block_expert, w_flat,
         n, kd, E, w_flat.numel(), top_k, a.stride(0), w.stride(0), w.stride(1), *s_strides, rs.stride(0),
         out.stride(0), A_BY_TOKEN=gate_up, GELU_MUL=gate_up, MUL_W=not gate_up, NVFP4=wq.fmt == "nvfp4",
-        IEEE=a.dtype == torch.float32 or interpreting(), ASM=_asm(), **{"SWAP_AB": False, "SCALES_AHEAD": False, **tiles},
+        IEEE=a.dtype == torch.float32 or interpreting(), ASM=_asm(), **{"SWAP_AB": False, "SCALES_AHEAD": False, **tiles, "SCALES_VEC": vec},
     )  # fmt: skip
     return out
+
+
+def scales_vec_fit(kd: int, tiles: dict[str, int]) -> bool:
+    """Whether the sorted NVFP4 GEMM loads its block scales as 4-byte vectors (``_moe_gemm_q_kernel``'s SCALES_VEC):
+    asked for (tile key ``SCALES_VEC``, default ``QUANT_SCALES_VEC``) and possible (the K step a multiple of 64 and
+    K of the step: every row's scales start on 4 bytes, every step is whole)."""
+    bk = tiles["BLOCK_K"]
+    return bool(tiles.get("SCALES_VEC", QUANT_SCALES_VEC)) and bk % 64 == 0 and kd % bk == 0
 
 
 def _sorted_tiles(t: dict[str, int], override: dict[str, int] | None, n: int, kd: int) -> dict[str, int]:
     """The quantised sorted GEMM's tiles with a per-call override merged in (BLOCK_M stays the align step's)."""
     if not override:
         return t
-    _check_tile_keys(override, (*_TILE_KEYS, "SWAP_AB", "SCALES_AHEAD"))
+    _check_tile_keys(override, (*_TILE_KEYS, "SWAP_AB", "SCALES_AHEAD", "SCALES_VEC"))
     return _fit({**t, **override}, n, kd)
 
 
@@ -967,8 +1005,8 @@ def fused_moe_quantized(
     with bf16 x: the two gather kernels, for decode-sized T*K; ``gather_w4a16_fits``) or "dequant" (prefill-sized
     T*K: every expert dequantised into an [E, N, K] scratch in x's dtype, then the bf16 path's grouped GEMMs with
     the row scales in their epilogues; ``dequantize_experts``). gate_up_tiles /
-    down_tiles: the sorted GEMMs' tiles, any of {BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP_AB, SCALES_AHEAD}
-    over the defaults (``_tiles``; for sweeps and tests)."""
+    down_tiles: the sorted GEMMs' tiles, any of {BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP_AB, SCALES_AHEAD,
+    SCALES_VEC} over the defaults (``_tiles``; for sweeps and tests)."""
     if path not in QUANT_MOE_PATHS:
         raise ValueError(f"path {path!r} must be one of {', '.join(repr(p) for p in QUANT_MOE_PATHS)}")
     T, H = x.shape

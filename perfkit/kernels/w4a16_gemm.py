@@ -95,9 +95,13 @@ SCALE_MODES = ("broadcast", "gather", "reshape")  # "reshape": the old name of "
 # path="auto": gemv for M <= GEMV_MAX_M, dequant_mm for M >= DEQUANT_MM_MIN_M, dot in between. Set from the H200
 # sweep (docs/h200-runs/2026-12-01b/4-w4a16_sweep.jsonl, CUDA-graph medians, 31B shapes): at M=1 gemv beats dot by
 # 1.43x (geomean of 5 shapes); at M=4 dot beats gemv by 2.0x; at M=64 dot 133 us vs dequant_mm 151 us; at M=256
-# dequant_mm 187 us vs dot 391 us (M=2048: 868 vs 2053 us, bf16 cuBLAS 617 us). 128 splits the unmeasured gap.
+# dequant_mm 187 us vs dot 391 us (M=2048: 868 vs 2053 us, bf16 cuBLAS 617 us). Since DOT_LARGE_CONFIG took the
+# swapped tile (12-02, docs/h200-runs/2026-12-02/1-w4a16_large.jsonl, four 31B shapes): at M = 128 dot beats
+# dequant_mm on all four (149.1 vs 158.9 us at 5376 x 21504, 271.3 vs 303.3, 102.5 vs 125.5, 111.6 vs 127.2), at
+# M = 256 dequant_mm wins all four (177.2 vs 269.4 ...). 144 is interpolated: the lines through the two points
+# cross at M 140-166 per shape.
 GEMV_MAX_M = 1
-DEQUANT_MM_MIN_M = 128
+DEQUANT_MM_MIN_M = 144
 GEMV_MAX_ROWS = 4  # rows of x per gemv program (BLOCK_M is capped here and at M's next power of two)
 GEMV_MIN_PROGRAMS_PER_SM = 2  # below this many programs per SM the gemv / dot paths split K
 MAX_SPLIT_K = 8
@@ -746,7 +750,13 @@ DOT_TINY_CONFIG = W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, 
 DOT_SMALL_CONFIG = W4A16Config(
     block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, swap_ab=True, scales_ahead=True
 )
-DOT_LARGE_CONFIG = W4A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+# M 65-143: the swapped 128 x 64 x 64 tile with the scales ahead. H200 12-02 (1-w4a16_large.jsonl, M 96 and 128
+# x four 31B shapes): geomean 1.039x the per-shape best, the previous plain 128 x 128 x 64 on 8 warps 1.39x
+# (5376 x 21504 at M = 128: 149.1 vs 216.8 us; 43008 x 5376: 271.3 vs 402.6 us). At M = 96 the swapped 128 x 128
+# x 64 on 8 warps is 1.07x against this tile's 1.08x.
+DOT_LARGE_CONFIG = W4A16Config(
+    block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=3, swap_ab=True, scales_ahead=True
+)
 DOT_FP32_CONFIG = W4A16Config(block_m=64, block_n=64, block_k=32, num_warps=8, num_stages=2)  # fp32 FMA dot
 DEQUANT_CONFIG = W4A16Config(block_m=1, block_n=16, block_k=512, num_warps=4, num_stages=1)
 # The CPU interpreter runs one program at a time in Python (cost ~ programs x ops): one wide tile per problem.
@@ -1385,6 +1395,7 @@ SWEEP_CONFIGS: dict[str, tuple[W4A16Config | None, ...]] = {
     ),
     "dot": (
         None,  # DOT_SMALL_CONFIG (M <= 64) / DOT_LARGE_CONFIG
+        W4A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),  # DOT_LARGE_CONFIG to 12-01i
         W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),
         W4A16Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3),
         W4A16Config(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, split_k=1),
@@ -1400,11 +1411,10 @@ SWEEP_CONFIGS: dict[str, tuple[W4A16Config | None, ...]] = {
         W4A16Config(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, swap_ab=True),
         W4A16Config(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, swap_ab=True, scales_ahead=True),
         W4A16Config(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3, swap_ab=True),
-        # 12-01i, not yet timed: swapped tiles for M 65-512, where DOT_LARGE_CONFIG (M 65-127) and dequant_mm
-        # (M >= 128, DEQUANT_MM_MIN_M: a bf16 copy of the weight written and read back per call) decide now. Offline
-        # sm_90 compile (triton 3.6): 128 registers, no stack, for the first two; 174 for the third; all wgmma
+        # 12-01i, timed on 12-02 (h200-runs/2026-12-02/1-w4a16_large.jsonl): swapped tiles for M 65-512; the second
+        # became DOT_LARGE_CONFIG. Offline sm_90 compile (triton 3.6): 128 registers, no stack, for the first two;
+        # 174 for the third; all wgmma
         W4A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, swap_ab=True, scales_ahead=True),
-        W4A16Config(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=3, swap_ab=True, scales_ahead=True),
         W4A16Config(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, swap_ab=True, scales_ahead=True),
     ),
     "dequant_mm": (None,),
