@@ -924,11 +924,11 @@ def test_fused_moe_quantized_scales_vec_matches_byte_scales(T):
     x, w, idx = _routed(T, H, E, K, torch.Generator().manual_seed(6))
     gu, dn = e.quant_weights("gate_up_proj"), e.quant_weights("down_proj")
     ref = fused_moe_ref(x, gu.dequantize(), dn.dequantize(), w, idx)
-    base = {"BLOCK_N": 32, "BLOCK_K": 64}
+    base = {"BLOCK_N": 32, "BLOCK_K": 64, "SCALES_VEC": False}
     plain = fused_moe_quantized(x, gu, dn, w, idx, gate_up_tiles=base, down_tiles=base)
     torch.testing.assert_close(plain, ref, atol=1e-5, rtol=1e-5)
-    for extra in ({"SCALES_VEC": True}, {"SCALES_VEC": True, "SCALES_AHEAD": True}):
-        t = {**base, **extra}
+    for extra in ({"SCALES_VEC": True}, {"SCALES_VEC": True, "SCALES_AHEAD": True}, {}):  # {}: the default, on
+        t = {**{k: v for k, v in base.items() if k != "SCALES_VEC"}, **extra}
         assert torch.equal(fused_moe_quantized(x, gu, dn, w, idx, gate_up_tiles=t, down_tiles=t), plain)
     assert scales_vec_fit(128, {"BLOCK_K": 64, "SCALES_VEC": True})
     assert not scales_vec_fit(128, {"BLOCK_K": 64, "SCALES_VEC": False})

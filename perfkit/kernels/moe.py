@@ -652,10 +652,13 @@ def moe_align(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 # through: the fastest of ``quant_tile_sweep``'s 96 per GEMM (BLOCK_M 16 / 32 x QUANT_TILE_GRID) at T = 64 on the
 # H200, 26B-A4B NVFP4 shapes (docs/h200-runs/2026-12-01h/1-moe_qtiles_T64.jsonl): gate_up 293 us (the bf16
 # ``_tiles``: 307-327), down 125 us (161-167). BLOCK_M 32 lost every pairing (gate_up >= 352 us).
-# The sorted NVFP4 GEMMs load their block scales as 4-byte vectors where K allows (``scales_vec_fit``).
-QUANT_SCALES_VEC = False
+# With the block scales as 4-byte vectors (SCALES_VEC, 12-02, docs/h200-runs/2026-12-02/2-moe_vec_T64.jsonl, T = 64,
+# 80 tiles): gate_up 64 x 128 on 4 warps 256.4 us against 296.5 for the previous 32 x 64 (whose [32, 4] scale tile
+# has one byte per thread, so it cannot take the vectors: 294.5 with the flag), down the same tile 105.7 against
+# 124.3 us. The sorted NVFP4 GEMMs load their block scales as 4-byte vectors wherever K allows (``scales_vec_fit``).
+QUANT_SCALES_VEC = True
 QUANT_DECODE_TILES = {
-    "gate_up": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+    "gate_up": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
     "down": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
 }
 
