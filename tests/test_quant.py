@@ -438,8 +438,26 @@ def test_w4a16_dot_swap_ab_and_scales_ahead(dtype, swap_ab, scales_ahead):
                 assert torch.equal(out, plain)
             elif dtype == torch.float32:
                 torch.testing.assert_close(out, plain, atol=1e-6, rtol=1e-6)
-    with pytest.raises(ValueError, match="swap_ab / scales_ahead: the dot path only"):
+    with pytest.raises(ValueError, match="swap_ab / scales_ahead / scales_vec: the dot path only"):
         w4a16_gemm(x, q, s, gs, config=dataclasses.replace(cfg0, block_m=4), path="gemv")
+
+
+def test_w4a16_dot_scales_vec_is_the_byte_loads_bit_for_bit():
+    """scales_vec (each step's block scales as 4-byte vectors indexed by the loop), alone and with the scales
+    ahead, split-K included: the plain kernel's output bit for bit (the same exact tiles, the same order). Where it
+    cannot apply (a K tail; 32-wide steps; gathered scales) it falls back to the byte loads, still exact."""
+    x, q, s, gs = _operands(5, 40, 256, torch.float32, seed=4, per_row_gs=True)
+    base = W4A16Config(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1)
+    for cfg in (base, dataclasses.replace(base, split_k=2), dataclasses.replace(base, block_k=32)):
+        for mode in ("broadcast", "gather"):
+            plain = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=cfg, path="dot", scale_mode=mode)
+            for extra in ({"scales_vec": True}, {"scales_vec": True, "scales_ahead": True}):
+                vec = dataclasses.replace(cfg, **extra)
+                out = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=vec, path="dot", scale_mode=mode)
+                assert torch.equal(out, plain)
+    x, q, s, gs = _operands(5, 40, 208, torch.float32, seed=4)  # 208 = 3 steps of 64 + a tail: the byte loads
+    vec = dataclasses.replace(base, scales_vec=True)
+    _assert_w4a16_close(w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=vec, path="dot"), x, q, s, gs)
 
 
 def test_w4a16_every_sweep_dot_tile_and_the_default_computes_the_product():

@@ -91,6 +91,7 @@ from perfkit.kernels.w4a16_gemm import (
     _dot_scales,
     _e4m3_times_2m8,
     _int64_rows,
+    _vec_scales,
     _wide_gemv,
     _wide_loop,
     _wide_ptrs,
@@ -409,8 +410,7 @@ def _q_scales(s_ptrs, k0, k_hi, g, SCALES_VEC: tl.constexpr):
     k_hi is a multiple of the step, so one uniform mask per step (it keeps the 4-byte vectors); else ``s_ptrs``
     are this step's (``_dot_scales``)."""
     if SCALES_VEC:
-        uniform = (tl.zeros_like(g) + k0) < k_hi  # a splat: constant along the row, so the 4-byte vectors stay
-        s = tl.load(s_ptrs + k0 // 16, mask=uniform[None, :], other=0)
+        s = _vec_scales(s_ptrs, k0, k_hi, g)
     else:
         s = _dot_scales(s_ptrs, k0, k_hi, g, False)
     return s

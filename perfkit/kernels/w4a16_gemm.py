@@ -524,6 +524,16 @@ def _dot_scales(s_ptrs, k0, k_hi, g, GATHER_SCALES: tl.constexpr):
 
 
 @triton.jit
+def _vec_scales(s0_ptrs, k0, k_hi, g):
+    """Raw e4m3 block scales [BN, G] of the whole K step at k0, zeros if k0 >= k_hi: ``s0_ptrs`` point at K = 0 of
+    rows that start on 4 bytes and k0 is a multiple of 64, so each row's G scales load as 4-byte vectors (one mask
+    per step, a splat, keeps them whole), which the pipeliner can stage by cp.async. The dot path's and the
+    quantised MoE GEMM's (``scales_vec``, ``SCALES_VEC``)."""
+    uniform = (tl.zeros_like(g) + k0) < k_hi
+    return tl.load(s0_ptrs + tl.multiple_of(k0 // 16, 4), mask=uniform[None, :], other=0)
+
+
+@triton.jit
 def _w4a16_dot_kernel(
     x_ptr,  # [M, K] activations, unit stride along K
     w_ptr,  # [N, K/8] int32 words of the packed weight
@@ -551,6 +561,7 @@ def _w4a16_dot_kernel(
     ASM: tl.constexpr,
     SWAP_AB: tl.constexpr,  # out^T [BN, BM] = W x^T: the weight tile on the dot's M side (W4A16Config.swap_ab)
     SCALES_AHEAD: tl.constexpr,  # the next step's block scales loaded a step ahead (W4A16Config.scales_ahead)
+    SCALES_VEC: tl.constexpr,  # 4-byte scale vectors indexed by the loop (W4A16Config.scales_vec; EVEN_K)
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -576,6 +587,8 @@ def _w4a16_dot_kernel(
     w_ptrs = w_ptr + w_rows[:, None, None] + (k_lo // 8 + 2 * g[:, None] + h[None, :])[None, :, :]
     if GATHER_SCALES:  # one (redundant) scale per word: [BN, G, 2]
         s_ptrs = s_ptr + rn[:, None, None] * stride_sn + (k_lo // 16 + g[:, None] + 0 * h[None, :])[None, :, :]
+    elif SCALES_VEC:  # [BN, G] at K = 0 of rows on 4 bytes (the host checked stride_sn); the loop adds k0 / 16
+        s0_ptrs = s_ptr + tl.multiple_of(rn * stride_sn, 4)[:, None] + g[None, :]
     else:  # [BN, G], broadcast over the group's 2 words
         s_ptrs = s_ptr + rn[:, None] * stride_sn + (k_lo // 16 + g)[None, :]
     x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + kk)[None, :]
@@ -585,7 +598,10 @@ def _w4a16_dot_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SCALES_AHEAD:  # the first step's scales; each step then loads the next one's before its own math
-        s_next = _dot_scales(s_ptrs, k_lo, k_hi, g, GATHER_SCALES)
+        if SCALES_VEC:
+            s_next = _vec_scales(s0_ptrs, k_lo, k_hi, g)
+        else:
+            s_next = _dot_scales(s_ptrs, k_lo, k_hi, g, GATHER_SCALES)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
@@ -596,7 +612,12 @@ def _w4a16_dot_kernel(
             x = tl.load(x_ptrs, mask=(k0 + kk < k_hi)[None, :], other=0.0)
         if SCALES_AHEAD:
             s = s_next
-            s_next = _dot_scales(s_ptrs + G, k0 + BLOCK_K, k_hi, g, GATHER_SCALES)  # zeros past k_hi
+            if SCALES_VEC:
+                s_next = _vec_scales(s0_ptrs, k0 + BLOCK_K, k_hi, g)  # zeros past k_hi
+            else:
+                s_next = _dot_scales(s_ptrs + G, k0 + BLOCK_K, k_hi, g, GATHER_SCALES)  # zeros past k_hi
+        elif SCALES_VEC:
+            s = _vec_scales(s0_ptrs, k0, k_hi, g)
         elif EVEN_K:
             s = tl.load(s_ptrs)
         else:
@@ -618,7 +639,8 @@ def _w4a16_dot_kernel(
             else:
                 acc = tl.dot(x, tl.trans(t), acc)
         w_ptrs += BLOCK_K // 8
-        s_ptrs += G
+        if not SCALES_VEC:
+            s_ptrs += G
         x_ptrs += BLOCK_K
 
     if SWAP_AB:  # [BN, BM] -> [BM, BN], once per program
@@ -701,7 +723,12 @@ class W4A16Config:
     ``scales_ahead`` (dot): each K step loads the next step's block scales into registers before its own decode.
     Why: Triton's pipeliner moves the weight words and x through cp.async stages, but leaves the 1-byte scale
     loads in the loop (cp.async moves 4 bytes or more; the sm_90 TTGIR of 12-01h shows them as a plain
-    ``tt.load``), so without it every step waits a global-memory latency for its scales before it can decode."""
+    ``tt.load``), so without it every step waits a global-memory latency for its scales before it can decode.
+    ``scales_vec`` (dot; ``block_k`` a multiple of 64, K of ``block_k``, rows of scales on 4 bytes, else ignored):
+    each step's scales addressed from the loop index, so a row's ``block_k / 16`` scales load as one 4-byte vector
+    that the pipeliner stages by cp.async (the loop-carried pointers lose the alignment; the quantised MoE GEMMs'
+    SCALES_VEC, which ncu motivated). It needs at least 4 scales per thread: ``block_n * block_k / 16 >=
+    128 * num_warps``."""
 
     block_m: int
     block_n: int
@@ -713,6 +740,7 @@ class W4A16Config:
     wide: bool = False
     swap_ab: bool = False
     scales_ahead: bool = False
+    scales_vec: bool = False
 
 
 # gemv: 4 weight rows x 512 K = 1 KB of weight per program and step, two more steps in flight (prefetch=2):
@@ -810,13 +838,17 @@ def _validate_config(cfg: W4A16Config, path: str) -> None:
     ok = ok and pow2(cfg.block_m) and (path != "dot" or cfg.block_m >= 16) and pow2(cfg.num_warps)
     ok = ok and (cfg.split_k is None or cfg.split_k >= 1) and cfg.num_stages >= 1 and cfg.prefetch in (1, 2)
     ok = ok and (not cfg.wide or (path == "gemv" and cfg.block_n >= 2 and cfg.block_k >= 32))
-    ok = ok and (not (cfg.swap_ab or cfg.scales_ahead) or path == "dot")
+    ok = ok and (not (cfg.swap_ab or cfg.scales_ahead or cfg.scales_vec) or path == "dot")
     if not ok:
         raise ValueError(
             f"bad {path} config {cfg}: block sizes must be powers of two, block_k >= 16, prefetch 1 or 2"
             + (", block_m and block_n >= 16" if path == "dot" else "")
             + ("; wide: the gemv path only, block_n >= 2, block_k >= 32" if cfg.wide else "")
-            + ("; swap_ab / scales_ahead: the dot path only" if cfg.swap_ab or cfg.scales_ahead else "")
+            + (
+                "; swap_ab / scales_ahead / scales_vec: the dot path only"
+                if cfg.swap_ab or cfg.scales_ahead or cfg.scales_vec
+                else ""
+            )
         )
 
 
@@ -964,6 +996,8 @@ def _launch_dot(
     M, K = x.shape
     N = words.shape[-2]
     cfg = _fit(cfg, "dot", M, N, K)
+    vec = cfg.scales_vec and not gather_scales and cfg.block_k % 64 == 0 and K % cfg.block_k == 0
+    vec = vec and scales.stride(0) % 4 == 0 and scales.data_ptr() % 4 == 0
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     split, k_per_split = _split_k(cfg, x.device, tiles, K)
     out = torch.empty((M, N), dtype=out_dtype, device=x.device)
@@ -976,7 +1010,7 @@ def _launch_dot(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=DOT_GROUP_M,
         EVEN_K=K % cfg.block_k == 0, GATHER_SCALES=gather_scales,
         IEEE=x.dtype == torch.float32 or interpreting(), ASM=_asm(), SWAP_AB=cfg.swap_ab,
-        SCALES_AHEAD=cfg.scales_ahead,
+        SCALES_AHEAD=cfg.scales_ahead, SCALES_VEC=vec,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out if split == 1 else _finish_split(target, out)
@@ -1416,6 +1450,13 @@ SWEEP_CONFIGS: dict[str, tuple[W4A16Config | None, ...]] = {
         # 174 for the third; all wgmma
         W4A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, swap_ab=True, scales_ahead=True),
         W4A16Config(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, swap_ab=True, scales_ahead=True),
+        # 12-02: the scales as 4-byte vectors (scales_vec) on DOT_SMALL_CONFIG and on DOT_LARGE_CONFIG's rows with
+        # 128-wide steps (64-wide ones give 2 scales per thread: too few for a vector), with and without the scales
+        # ahead (ahead, the pipeliner leaves them in registers; alone, it stages them by cp.async: sm_90 TTGIR)
+        W4A16Config(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, swap_ab=True, scales_vec=True),
+        W4A16Config(64, 128, 64, num_warps=4, num_stages=3, swap_ab=True, scales_ahead=True, scales_vec=True),
+        W4A16Config(block_m=128, block_n=64, block_k=128, num_warps=4, num_stages=3, swap_ab=True, scales_vec=True),
+        W4A16Config(128, 64, 128, num_warps=4, num_stages=3, swap_ab=True, scales_ahead=True, scales_vec=True),
     ),
     "dequant_mm": (None,),
 }
