@@ -775,8 +775,12 @@ DOT_TINY_CONFIG = W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, 
 # vs 254.0 us; slower on three of the eight (shape, M): 5376 x 16384 at M = 32 (+11.6 %), 5376 x 21504 and
 # 16384 x 5376 at M = 64 (+5.4 %, +4.7 %). At M = 16 the 16 x 64 x 128 tile stays ahead (1.07x against 1.16x
 # for the best swapped tile).
+# Since 12-02 its scales load as 4-byte vectors staged by cp.async (scales_vec) instead of a step ahead in
+# registers (docs/h200-runs/2026-12-02/5-w4a16_vec.jsonl, M 32 / 48 / 64 x the four shapes): geomean 1.002x the
+# per-shape best against 1.070x (5376 x 21504 at M = 32: 113.1 vs 121.3 us; with both 1.023x); the 31B NVFP4 c64
+# decode step 42.69 -> 40.90 ms (5-compare_31b.md).
 DOT_SMALL_CONFIG = W4A16Config(
-    block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, swap_ab=True, scales_ahead=True
+    block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, swap_ab=True, scales_vec=True
 )
 # M 65-143: the swapped 128 x 64 x 64 tile with the scales ahead. H200 12-02 (1-w4a16_large.jsonl, M 96 and 128
 # x four 31B shapes): geomean 1.039x the per-shape best, the previous plain 128 x 128 x 64 on 8 warps 1.39x
@@ -1450,10 +1454,11 @@ SWEEP_CONFIGS: dict[str, tuple[W4A16Config | None, ...]] = {
         # 174 for the third; all wgmma
         W4A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, swap_ab=True, scales_ahead=True),
         W4A16Config(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, swap_ab=True, scales_ahead=True),
-        # 12-02: the scales as 4-byte vectors (scales_vec) on DOT_SMALL_CONFIG and on DOT_LARGE_CONFIG's rows with
+        # 12-02, timed (5-w4a16_vec.jsonl): the scales as 4-byte vectors (scales_vec) on the 64-row swapped tile (it
+        # became DOT_SMALL_CONFIG; here the previous default) and on DOT_LARGE_CONFIG's rows with
         # 128-wide steps (64-wide ones give 2 scales per thread: too few for a vector), with and without the scales
         # ahead (ahead, the pipeliner leaves them in registers; alone, it stages them by cp.async: sm_90 TTGIR)
-        W4A16Config(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3, swap_ab=True, scales_vec=True),
+        W4A16Config(64, 128, 64, num_warps=4, num_stages=3, swap_ab=True, scales_ahead=True),  # DOT_SMALL to 12-01i
         W4A16Config(64, 128, 64, num_warps=4, num_stages=3, swap_ab=True, scales_ahead=True, scales_vec=True),
         W4A16Config(block_m=128, block_n=64, block_k=128, num_warps=4, num_stages=3, swap_ab=True, scales_vec=True),
         W4A16Config(128, 64, 128, num_warps=4, num_stages=3, swap_ab=True, scales_ahead=True, scales_vec=True),
