@@ -462,8 +462,8 @@ def test_w4a16_dot_scales_vec_is_the_byte_loads_bit_for_bit():
 
 def test_w4a16_every_sweep_dot_tile_and_the_default_computes_the_product():
     """Each dot tile the H200 sweep times (SWEEP_CONFIGS["dot"], the 128-row swapped ones of 12-01i included) and
-    DOT_SMALL_CONFIG (swapped since 12-01i, scales as vectors since 12-02) against the reference: 130 rows, two row blocks of the
-    largest tile, columns past N, K over several steps."""
+    DOT_SMALL_CONFIG (swapped since 12-01i, scales as vectors since 12-02) against the reference: 130 rows, two row
+    blocks of the largest tile, columns past N, K over several steps."""
     import perfkit.kernels.w4a16_gemm as wk
 
     x, q, s, gs = _operands(130, 40, 256, torch.bfloat16, seed=5)
