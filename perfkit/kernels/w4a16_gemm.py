@@ -1455,10 +1455,9 @@ SWEEP_CONFIGS: dict[str, tuple[W4A16Config | None, ...]] = {
         W4A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, swap_ab=True, scales_ahead=True),
         W4A16Config(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, swap_ab=True, scales_ahead=True),
         # 12-02, timed (5-w4a16_vec.jsonl): the scales as 4-byte vectors (scales_vec) on the 64-row swapped tile (it
-        # became DOT_SMALL_CONFIG; here the previous default) and on DOT_LARGE_CONFIG's rows with
+        # became DOT_SMALL_CONFIG; the 12-01i default, scales ahead, is above) and on DOT_LARGE_CONFIG's rows with
         # 128-wide steps (64-wide ones give 2 scales per thread: too few for a vector), with and without the scales
         # ahead (ahead, the pipeliner leaves them in registers; alone, it stages them by cp.async: sm_90 TTGIR)
-        W4A16Config(64, 128, 64, num_warps=4, num_stages=3, swap_ab=True, scales_ahead=True),  # DOT_SMALL to 12-01i
         W4A16Config(64, 128, 64, num_warps=4, num_stages=3, swap_ab=True, scales_ahead=True, scales_vec=True),
         W4A16Config(block_m=128, block_n=64, block_k=128, num_warps=4, num_stages=3, swap_ab=True, scales_vec=True),
         W4A16Config(128, 64, 128, num_warps=4, num_stages=3, swap_ab=True, scales_ahead=True, scales_vec=True),
