@@ -899,7 +899,7 @@ def _moe_gemm_q(
         w = s = wq.values.contiguous()
         s_strides = (0, 0)
     gate_up = stage == "gate_up"
-    vec = wq.fmt == "nvfp4" and scales_vec_fit(kd, tiles)
+    vec = wq.fmt == "nvfp4" and scales_vec_fit(kd, tiles) and s.data_ptr() % 4 == 0  # a view may start anywhere
     _moe_gemm_q_kernel[(block_expert.numel(), triton.cdiv(n, tiles["BLOCK_N"]))](
         a, w, s, rs, out, sorted_ids, block_expert, w_flat,
         n, kd, E, w_flat.numel(), top_k, a.stride(0), w.stride(0), w.stride(1), *s_strides, rs.stride(0),
