@@ -933,8 +933,8 @@ def test_fused_moe_quantized_swap_ab_and_scales_ahead_match_reference(scheme, T)
 def test_fused_moe_quantized_scales_vec_matches_byte_scales(T):
     """The sorted NVFP4 GEMMs with their block scales addressed from the loop index as 4-byte vectors (SCALES_VEC),
     alone and with the scales a step ahead: bit for bit the byte loads' output (the same exact tiles, the same
-    sums), and close to fused_moe_ref. Where K or the K step is not a multiple of 64 (or K of the step) the flag
-    falls back to the byte loads (``scales_vec_fit``)."""
+    sums), and close to fused_moe_ref; transposed (SWAP_AB), another summation order, within 1e-5 of it. Where K or
+    the K step is not a multiple of 64 (or K of the step) the flag falls back to the byte loads (``scales_vec_fit``)."""
     from perfkit.kernels.moe import fused_moe_quantized, fused_moe_ref, scales_vec_fit
 
     E, H, inter, K = 6, 128, 64, 2
@@ -948,6 +948,9 @@ def test_fused_moe_quantized_scales_vec_matches_byte_scales(T):
     for extra in ({"SCALES_VEC": True}, {"SCALES_VEC": True, "SCALES_AHEAD": True}, {}):  # {}: the default, on
         t = {**{k: v for k, v in base.items() if k != "SCALES_VEC"}, **extra}
         assert torch.equal(fused_moe_quantized(x, gu, dn, w, idx, gate_up_tiles=t, down_tiles=t), plain)
+    swapped = {**base, "SCALES_VEC": True, "SWAP_AB": True}  # the transposed form with the vectors: another order
+    y = fused_moe_quantized(x, gu, dn, w, idx, gate_up_tiles=swapped, down_tiles=swapped)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
     assert scales_vec_fit(128, {"BLOCK_K": 64, "SCALES_VEC": True})
     assert not scales_vec_fit(128, {"BLOCK_K": 64, "SCALES_VEC": False})
     assert not scales_vec_fit(96, {"BLOCK_K": 64, "SCALES_VEC": True})  # a partial last step

@@ -904,7 +904,8 @@ def _moe_gemm_q(
         a, w, s, rs, out, sorted_ids, block_expert, w_flat,
         n, kd, E, w_flat.numel(), top_k, a.stride(0), w.stride(0), w.stride(1), *s_strides, rs.stride(0),
         out.stride(0), A_BY_TOKEN=gate_up, GELU_MUL=gate_up, MUL_W=not gate_up, NVFP4=wq.fmt == "nvfp4",
-        IEEE=a.dtype == torch.float32 or interpreting(), ASM=_asm(), **{"SWAP_AB": False, "SCALES_AHEAD": False, **tiles, "SCALES_VEC": vec},
+        IEEE=a.dtype == torch.float32 or interpreting(), ASM=_asm(),
+        **{"SWAP_AB": False, "SCALES_AHEAD": False, **tiles, "SCALES_VEC": vec},
     )  # fmt: skip
     return out
 
@@ -1367,24 +1368,30 @@ QUANT_TILE_GRID: tuple[dict[str, int], ...] = tuple(
     for w in (4, 8)
     for st in (2, 4)
 )
-# The next candidates beside the two QUANT_DECODE_TILES they would replace (12-01h; at T = 64 on 12-01i none won:
-# the best swapped tile 345 vs 296 us for gate_up, the defaults with SCALES_AHEAD 40-47 % slower):
-# ``--tiles --quant nvfp4 --candidates`` (24 per kernel and BLOCK_M). The same tiles with their block scales a
-# step ahead (``SCALES_AHEAD``), and the transposed form (``SWAP_AB``: weight rows on the MMA's M side, 64 or 128
-# of them), a few of them with the scales ahead too.
+# The next candidates beside the two QUANT_DECODE_TILES they would replace, all with the block scales as vectors
+# (12-02; ``--tiles --quant nvfp4 --candidates``, 20 per kernel and BLOCK_M, not yet timed). 12-02's ncu profile had
+# the L1 as the limit, and every warp of a 16-row program loads the whole x tile, so: 2 warps (half the copies of
+# x; BLOCK_N x BLOCK_K up to 64 x 256, where gate_up stays spill-free at 254 registers in the offline sm_90 compile
+# and 128 x 256 spills), 8 warps on the larger tiles (1,024 scales and more: 4 per thread), and the transposed form
+# with the vectors (weight rows on the MMA's M side; the 12-01i SWAP_AB tiles loaded their scales byte by byte).
+# The candidates of 12-01h (SCALES_AHEAD, SWAP_AB without vectors) lost at T = 64 on 12-01i (gate_up: the best
+# swapped tile 345 vs 296 us, the defaults with the scales ahead 40-47 % slower).
 _DECODE_TILE_GRID = tuple({k: v for k, v in t.items() if k != "BLOCK_M"} for t in QUANT_DECODE_TILES.values())
 QUANT_CANDIDATE_GRID: tuple[dict[str, int], ...] = (
     _DECODE_TILE_GRID
-    + tuple({**t, "SCALES_AHEAD": True} for t in _DECODE_TILE_GRID)
     + tuple(
-        {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st, "SWAP_AB": True}
-        for n in (64, 128)
-        for k in (64, 128)
-        for w in (4, 8)
+        {"BLOCK_N": n, "BLOCK_K": k, "num_warps": 2, "num_stages": st, "SCALES_VEC": True}
+        for n in (32, 64)
+        for k in (128, 256)
         for st in (2, 4)
     )
     + tuple(
-        {"BLOCK_N": n, "BLOCK_K": 64, "num_warps": 4, "num_stages": st, "SWAP_AB": True, "SCALES_AHEAD": True}
+        {"BLOCK_N": n, "BLOCK_K": k, "num_warps": 8, "num_stages": st, "SCALES_VEC": True}
+        for n, k in ((64, 256), (128, 128), (128, 256))
+        for st in (2, 4)
+    )
+    + tuple(
+        {"BLOCK_N": n, "BLOCK_K": 128, "num_warps": 4, "num_stages": st, "SWAP_AB": True, "SCALES_VEC": True}
         for n in (64, 128)
         for st in (2, 4)
     )
@@ -1505,7 +1512,7 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default=None, help="comma-separated batch sizes T")
     ap.add_argument(
         "--candidates", action="store_true",
-        help="with --tiles --quant: QUANT_CANDIDATE_GRID (SCALES_AHEAD, SWAP_AB) beside the defaults, not the full grid",
+        help="with --tiles --quant: QUANT_CANDIDATE_GRID (2 / 8 warps, SWAP_AB; SCALES_VEC) beside the defaults",
     )  # fmt: skip
     ap.add_argument(
         "--quant", choices=QUANT_EXPERT_FORMATS, default=None,
