@@ -1,6 +1,10 @@
 # W4A16 dot tiles with and without scales_vec, M 32-128 x four 31B shapes; writes choice.json (best geomean per range)
-import json, math, os, sys
+import json
+import math
+import os
+
 import perfkit.kernels.w4a16_gemm as W
+
 C = W.W4A16Config
 cfgs = [W.DOT_SMALL_CONFIG, W.DOT_LARGE_CONFIG] + [c for c in W.SWEEP_CONFIGS["dot"] if c is not None and c.scales_vec]
 cfgs.append(C(128, 128, 128, num_warps=8, num_stages=3, swap_ab=True, scales_vec=True))
@@ -28,4 +32,5 @@ json.dump(choice, open(out + "/5-choice.json", "w"))
 for M in (32, 64, 128):
     for r in rows:
         if r["M"] == M and r["N"] == 5376 and r["K"] == 21504:
-            c = r["config"]; print(M, round(r["graph_ms"] * 1e3, 1), c["block_m"], c["block_n"], c["block_k"], c["num_warps"], c["scales_ahead"], c["scales_vec"])
+            c = r["config"]
+            print(M, round(r["graph_ms"] * 1e3, 1), c["block_m"], c["block_n"], c["block_k"], c["num_warps"], c["scales_ahead"], c["scales_vec"])
