@@ -460,6 +460,22 @@ def test_w4a16_dot_scales_vec_is_the_byte_loads_bit_for_bit():
     _assert_w4a16_close(w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=vec, path="dot"), x, q, s, gs)
 
 
+def test_w4a16_dot_row_mask_is_the_clamped_rows_bit_for_bit(monkeypatch):
+    """DOT_ROW_MASK (rows past M masked instead of clamped to row M - 1): the same output bit for bit, with whole
+    K steps and with a K tail, M inside one row tile and across two."""
+    import perfkit.kernels.w4a16_gemm as wk
+
+    cfg = W4A16Config(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1)
+    for M, K in ((5, 256), (21, 208)):
+        x, q, s, gs = _operands(M, 40, K, torch.float32, seed=6)
+        monkeypatch.setattr(wk, "DOT_ROW_MASK", False)
+        clamped = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=cfg, path="dot")
+        monkeypatch.setattr(wk, "DOT_ROW_MASK", True)
+        masked = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=cfg, path="dot")
+        assert torch.equal(masked, clamped)
+        _assert_w4a16_close(masked, x, q, s, gs)
+
+
 def test_w4a16_every_sweep_dot_tile_and_the_default_computes_the_product():
     """Each dot tile the H200 sweep times (SWEEP_CONFIGS["dot"], the 128-row swapped ones of 12-01i included) and
     DOT_SMALL_CONFIG (swapped since 12-01i, scales as vectors since 12-02) against the reference: 130 rows, two row

@@ -562,6 +562,7 @@ def _w4a16_dot_kernel(
     SWAP_AB: tl.constexpr,  # out^T [BN, BM] = W x^T: the weight tile on the dot's M side (W4A16Config.swap_ab)
     SCALES_AHEAD: tl.constexpr,  # the next step's block scales loaded a step ahead (W4A16Config.scales_ahead)
     SCALES_VEC: tl.constexpr,  # 4-byte scale vectors indexed by the loop (W4A16Config.scales_vec; EVEN_K)
+    ROW_MASK: tl.constexpr,  # rows past M masked (no load) instead of re-reading row M - 1 (DOT_ROW_MASK)
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -605,11 +606,17 @@ def _w4a16_dot_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs)
+            if ROW_MASK:
+                x = tl.load(x_ptrs, mask=(offs_m < M)[:, None], other=0.0)
+            else:
+                x = tl.load(x_ptrs)
         else:
             g_ok = (k0 // 16 + g) < k_hi // 16
             w = tl.load(w_ptrs, mask=g_ok[None, :, None], other=0)
-            x = tl.load(x_ptrs, mask=(k0 + kk < k_hi)[None, :], other=0.0)
+            x_ok = (k0 + kk < k_hi)[None, :]
+            if ROW_MASK:
+                x_ok = x_ok & (offs_m < M)[:, None]
+            x = tl.load(x_ptrs, mask=x_ok, other=0.0)
         if SCALES_AHEAD:
             s = s_next
             if SCALES_VEC:
@@ -789,6 +796,11 @@ DOT_SMALL_CONFIG = W4A16Config(
 DOT_LARGE_CONFIG = W4A16Config(
     block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=3, swap_ab=True, scales_ahead=True
 )
+# The dot path's rows past M (the last row tile's padding): masked, so they load nothing, instead of clamped to
+# row M - 1. Why: the 128-row tile got slower as M fell with the same grid and work (12-02, 5-w4a16_vec.jsonl,
+# 43008 x 5376: 271.8 us at M = 128, 375.9 at 96, 538.5 at 32); every program re-reading row M - 1 for its
+# padding rows is the suspect (one L2 line hit by all SMs at once). Off until timed.
+DOT_ROW_MASK = False
 DOT_FP32_CONFIG = W4A16Config(block_m=64, block_n=64, block_k=32, num_warps=8, num_stages=2)  # fp32 FMA dot
 DEQUANT_CONFIG = W4A16Config(block_m=1, block_n=16, block_k=512, num_warps=4, num_stages=1)
 # The CPU interpreter runs one program at a time in Python (cost ~ programs x ops): one wide tile per problem.
@@ -1014,7 +1026,7 @@ def _launch_dot(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=DOT_GROUP_M,
         EVEN_K=K % cfg.block_k == 0, GATHER_SCALES=gather_scales,
         IEEE=x.dtype == torch.float32 or interpreting(), ASM=_asm(), SWAP_AB=cfg.swap_ab,
-        SCALES_AHEAD=cfg.scales_ahead, SCALES_VEC=vec,
+        SCALES_AHEAD=cfg.scales_ahead, SCALES_VEC=vec, ROW_MASK=DOT_ROW_MASK and M % cfg.block_m != 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out if split == 1 else _finish_split(target, out)
