@@ -84,7 +84,8 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "NVFP4 / FP8 MoE experts at prefill sizes (at or above QuantizedExperts.dequant_min_pairs routed pairs, 12288 "
         "= 1536 tokens at top-8): the grouped GEMMs that dequantise each weight tile in registers (quantized) vs "
         "every expert dequantised into a bf16 scratch once per layer, then the bf16 grouped GEMMs (dequant); auto: "
-        "dequant for NVFP4 experts (H200 A/B), quantized for FP8 experts (not measured); no effect on other experts",
+        "dequant for NVFP4 experts (H200 A/B), quantized for FP8 experts (their dequant lost at every size timed); "
+        "no effect on other experts",
     ),
     "attention": (
         ("auto", "flashinfer", "torch"),

@@ -350,11 +350,14 @@ class QuantizedExperts(nn.Module):
     # and the bf16 grouped GEMMs (prefill is compute-bound; 26B-A4B NVFP4 prefill steps ran 234 ms through the
     # in-register GEMMs against 132 ms with bf16 weights, H200 12-01h). One 26B-A4B layer on the H200 (12-01i,
     # ``python3 -m perfkit.kernels.moe --sweep --quant nvfp4``, sorted vs dequant): T = 512 0.76 vs 1.02 ms,
-    # 1024 1.10 vs 1.14, 8192 5.50 vs 3.07. Linear between the last two, they cross near T = 1150; 12288 pairs
-    # (T = 1536 at top-8) is past it, an interpolation, not a measured point. prefill_dequant None (moe_prefill=auto,
+    # 1024 1.10 vs 1.14, 8192 5.50 vs 3.07; on 12-02 (docs/h200-runs/2026-12-02/1-moe_nvfp4_cross.jsonl) T = 1536
+    # 1.446 vs 1.265, 2048 1.717 vs 1.369, 4096 2.946 vs 1.927. So they cross between T = 1024 and 1536; 12288 pairs
+    # (T = 1536 at top-8) is the first measured point where dequant wins. prefill_dequant None (moe_prefill=auto,
     # the default): the dequant path for NVFP4 experts, since configs/ab_moe_prefill.yaml on the H200 (12-01i: 8K
-    # forward_prefill -25.8 %, c64 output +24.4 %), the in-register GEMMs for FP8 experts, whose decode is a cast
-    # and whose crossover is not measured (``--sweep --quant fp8`` times it). True / False force either path.
+    # forward_prefill -25.8 %, c64 output +24.4 %), the in-register GEMMs for FP8 experts, whose decode is a cast:
+    # their dequant path lost at every size timed (12-02, 1-moe_fp8_cross.jsonl: T = 512 2.723 vs 0.487 ms, 8192
+    # 4.625 vs 2.998 ms; the FP8 -> bf16 copy of every expert costs more than it saves). True / False force either
+    # path.
     prefill_dequant: bool | None = None
     dequant_min_pairs = 12288
 
