@@ -921,11 +921,10 @@ def test_fused_moe_quantized_dequant_path_matches_reference(scheme, dtype, T):
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("T", [3, 40])
-def test_fused_moe_quantized_swap_ab_and_scales_ahead_match_reference(scheme, T):
+def test_fused_moe_quantized_swap_ab_matches_reference(scheme, T):
     """The transposed sorted GEMMs (SWAP_AB: weight rows on the dot's M side, the block's rows on its N side,
-    acc transposed in the epilogue) and the block scales loaded a step ahead (SCALES_AHEAD), alone and together,
-    against fused_moe_ref: K tails (inter 48 in 32-wide steps), partial blocks, N tiles past the rows.
-    SCALES_AHEAD alone gives the default tiles' output bit for bit; an unknown tile key is an error."""
+    acc transposed in the epilogue) against fused_moe_ref: K tails (inter 48 in 32-wide steps), partial blocks, N
+    tiles past the rows. An unknown tile key is an error, SCALES_AHEAD included (removed on 12-02)."""
     from perfkit.kernels.moe import fused_moe_quantized, fused_moe_ref
 
     E, H, inter, K = 6, 64, 48, 2
@@ -933,24 +932,20 @@ def test_fused_moe_quantized_swap_ab_and_scales_ahead_match_reference(scheme, T)
     x, w, idx = _routed(T, H, E, K, torch.Generator().manual_seed(4))
     gu, dn = e.quant_weights("gate_up_proj"), e.quant_weights("down_proj")
     ref = fused_moe_ref(x, gu.dequantize(), dn.dequantize(), w, idx)
-    base = {"BLOCK_N": 64, "BLOCK_K": 32}  # gate_up: 64 > I = 48 rows; down: one 64-row tile
-    plain = fused_moe_quantized(x, gu, dn, w, idx, gate_up_tiles=base, down_tiles=base)
-    for extra in ({"SWAP_AB": True}, {"SCALES_AHEAD": True}, {"SWAP_AB": True, "SCALES_AHEAD": True}):
-        t = {**base, **extra}
-        y = fused_moe_quantized(x, gu, dn, w, idx, gate_up_tiles=t, down_tiles=t)
-        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
-        if "SWAP_AB" not in extra:
-            assert torch.equal(y, plain)
-    with pytest.raises(ValueError, match="unknown tile keys"):
-        fused_moe_quantized(x, gu, dn, w, idx, down_tiles={"BLOCK_M": 32})
+    t = {"BLOCK_N": 64, "BLOCK_K": 32, "SWAP_AB": True}  # gate_up: 64 > I = 48 rows; down: one 64-row tile
+    y = fused_moe_quantized(x, gu, dn, w, idx, gate_up_tiles=t, down_tiles=t)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    for bad in ({"BLOCK_M": 32}, {"SCALES_AHEAD": True}):
+        with pytest.raises(ValueError, match="unknown tile keys"):
+            fused_moe_quantized(x, gu, dn, w, idx, down_tiles=bad)
 
 
 @pytest.mark.parametrize("T", [3, 40])
 def test_fused_moe_quantized_scales_vec_matches_byte_scales(T):
     """The sorted NVFP4 GEMMs with their block scales addressed from the loop index as 4-byte vectors (SCALES_VEC),
-    alone and with the scales a step ahead: bit for bit the byte loads' output (the same exact tiles, the same
-    sums), and close to fused_moe_ref; transposed (SWAP_AB), another summation order, within 1e-5 of it. Where K or
-    the K step is not a multiple of 64 (or K of the step) the flag falls back to the byte loads (``scales_vec_fit``)."""
+    asked for and by default: bit for bit the byte loads' output (the same exact tiles, the same sums), and close
+    to fused_moe_ref; transposed (SWAP_AB), another summation order, within 1e-5 of it. Where K or the K step is
+    not a multiple of 64 (or K of the step) the flag falls back to the byte loads (``scales_vec_fit``)."""
     from perfkit.kernels.moe import fused_moe_quantized, fused_moe_ref, scales_vec_fit
 
     E, H, inter, K = 6, 128, 64, 2
@@ -961,7 +956,7 @@ def test_fused_moe_quantized_scales_vec_matches_byte_scales(T):
     base = {"BLOCK_N": 32, "BLOCK_K": 64, "SCALES_VEC": False}
     plain = fused_moe_quantized(x, gu, dn, w, idx, gate_up_tiles=base, down_tiles=base)
     torch.testing.assert_close(plain, ref, atol=1e-5, rtol=1e-5)
-    for extra in ({"SCALES_VEC": True}, {"SCALES_VEC": True, "SCALES_AHEAD": True}, {}):  # {}: the default, on
+    for extra in ({"SCALES_VEC": True}, {}):  # {}: the default, on
         t = {**{k: v for k, v in base.items() if k != "SCALES_VEC"}, **extra}
         assert torch.equal(fused_moe_quantized(x, gu, dn, w, idx, gate_up_tiles=t, down_tiles=t), plain)
     swapped = {**base, "SCALES_VEC": True, "SWAP_AB": True}  # the transposed form with the vectors: another order

@@ -297,7 +297,6 @@ def _moe_gemm_q_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
-    SCALES_AHEAD: tl.constexpr,
     SCALES_VEC: tl.constexpr,
 ):
     """_moe_gemm_kernel with quantised expert weights, dequantised in registers (module doc, "Quantised
@@ -310,18 +309,15 @@ def _moe_gemm_q_kernel(
     epilogue. Why: the skinny W4A16 GEMMs of decode put the weights on the MMA's M side (Marlin, machete); the
     sorted GEMMs ran at ~20 % of their bound with every tile of the plain form (H200 12-01h).
 
-    SCALES_AHEAD (NVFP4) loads the next K step's block scales into registers before this step's decode. Triton's
-    pipeliner moves the weight words and A through cp.async stages but leaves the 1-byte scale loads in the loop
-    (cp.async moves 4 bytes or more: a plain ``tt.load`` in the sm_90 TTGIR, 12-01h), so without it every step
-    waits a global-memory latency for its scales (the W4A16 dot kernel's ``scales_ahead``).
-
     SCALES_VEC (NVFP4; Kd a multiple of BLOCK_K, BLOCK_K of 64; ``scales_vec_fit``) addresses each step's scales
     from the loop index with 4-byte-aligned rows, so each thread loads a row's BLOCK_K / 16 scales as one 4-byte
     vector, which the pipeliner stages by cp.async with the weight words. Why: ncu on the H200 (12-02, T = 64,
     gate_up) had warps stalled on long scoreboards for 64 % of their cycles and the L1 at 89 % of its throughput
     with DRAM at 21 %; the loop-carried scale pointers lose their alignment, so each scale was a 1-byte load in the
     loop. The scales stay uint8 on purpose: an int32 view split in registers made Triton pick kWidth 4 for the dot
-    operand, and the decoded tile then went through shared memory (offline sm_90 TTGIR)."""
+    operand, and the decoded tile then went through shared memory (offline sm_90 TTGIR). The earlier remedy, the
+    byte scales loaded a step ahead into registers (SCALES_AHEAD), lost 40-47 % at T = 64 (H200 12-01i) and is
+    gone since 12-02."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -351,10 +347,6 @@ def _moe_gemm_q_kernel(
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if NVFP4 and SCALES_AHEAD:  # the first step's raw scales (gate rows, and the up rows with GELU_MUL)
-            s_next = _q_scales(s_ptrs, 0, Kd, g, SCALES_VEC)
-            if GELU_MUL:
-                su_next = _q_scales(s_ptrs + N * stride_sn, 0, Kd, g, SCALES_VEC)
         for k0 in range(0, Kd, BLOCK_K):
             km = offs_k < Kd - k0
             a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
@@ -363,17 +355,9 @@ def _moe_gemm_q_kernel(
             if NVFP4:
                 g_ok = (k0 // 16 + g) < Kd // 16
                 w = tl.load(w_ptrs, mask=g_ok[None, :, None], other=0)
-                if SCALES_AHEAD:  # this step's scales came a step ahead; the next step's are loaded now
-                    sr = s_next
-                    s_ahead = s_ptrs if SCALES_VEC else s_ptrs + G  # VEC: step 0's, indexed by k0
-                    s_next = _q_scales(s_ahead, k0 + BLOCK_K, Kd, g, SCALES_VEC)  # zeros past Kd
-                    if GELU_MUL:
-                        su = su_next
-                        su_next = _q_scales(s_ahead + N * stride_sn, k0 + BLOCK_K, Kd, g, SCALES_VEC)
-                else:
-                    sr = _q_scales(s_ptrs, k0, Kd, g, SCALES_VEC)
-                    if GELU_MUL:
-                        su = _q_scales(s_ptrs + N * stride_sn, k0, Kd, g, SCALES_VEC)
+                sr = _q_scales(s_ptrs, k0, Kd, g, SCALES_VEC)
+                if GELU_MUL:
+                    su = _q_scales(s_ptrs + N * stride_sn, k0, Kd, g, SCALES_VEC)
                 sf = (_e4m3_times_2m8(sr) * 4194304.0)[:, :, None]
                 tile = _dequant_tile(w.to(tl.uint32, bitcast=True), sf, ASM)  # [BN, BK] fp32, exact
             else:
@@ -905,7 +889,7 @@ def _moe_gemm_q(
         n, kd, E, w_flat.numel(), top_k, a.stride(0), w.stride(0), w.stride(1), *s_strides, rs.stride(0),
         out.stride(0), A_BY_TOKEN=gate_up, GELU_MUL=gate_up, MUL_W=not gate_up, NVFP4=wq.fmt == "nvfp4",
         IEEE=a.dtype == torch.float32 or interpreting(), ASM=_asm(),
-        **{"SWAP_AB": False, "SCALES_AHEAD": False, **tiles, "SCALES_VEC": vec},
+        **{"SWAP_AB": False, **tiles, "SCALES_VEC": vec},
     )  # fmt: skip
     return out
 
@@ -922,7 +906,7 @@ def _sorted_tiles(t: dict[str, int], override: dict[str, int] | None, n: int, kd
     """The quantised sorted GEMM's tiles with a per-call override merged in (BLOCK_M stays the align step's)."""
     if not override:
         return t
-    _check_tile_keys(override, (*_TILE_KEYS, "SWAP_AB", "SCALES_AHEAD", "SCALES_VEC"))
+    _check_tile_keys(override, (*_TILE_KEYS, "SWAP_AB", "SCALES_VEC"))
     return _fit({**t, **override}, n, kd)
 
 
@@ -1009,8 +993,8 @@ def fused_moe_quantized(
     with bf16 x: the two gather kernels, for decode-sized T*K; ``gather_w4a16_fits``) or "dequant" (prefill-sized
     T*K: every expert dequantised into an [E, N, K] scratch in x's dtype, then the bf16 path's grouped GEMMs with
     the row scales in their epilogues; ``dequantize_experts``). gate_up_tiles /
-    down_tiles: the sorted GEMMs' tiles, any of {BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP_AB, SCALES_AHEAD,
-    SCALES_VEC} over the defaults (``_tiles``; for sweeps and tests)."""
+    down_tiles: the sorted GEMMs' tiles, any of {BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP_AB, SCALES_VEC}
+    over the defaults (``_tiles``; for sweeps and tests)."""
     if path not in QUANT_MOE_PATHS:
         raise ValueError(f"path {path!r} must be one of {', '.join(repr(p) for p in QUANT_MOE_PATHS)}")
     T, H = x.shape
