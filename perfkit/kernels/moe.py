@@ -101,6 +101,7 @@ from perfkit.kernels.w4a16_gemm import (
     dequantize_nvfp4,
     dequantize_nvfp4_triton,
     quantize_nvfp4,
+    vec_scales_fit,
 )
 
 HBM_BYTES_PER_S = 4.3e12  # achievable H200 DRAM bandwidth used for "% of bound" (as in w4a16_gemm)
@@ -883,7 +884,7 @@ def _moe_gemm_q(
         w = s = wq.values.contiguous()
         s_strides = (0, 0)
     gate_up = stage == "gate_up"
-    vec = wq.fmt == "nvfp4" and scales_vec_fit(kd, tiles) and s.data_ptr() % 4 == 0  # a view may start anywhere
+    vec = wq.fmt == "nvfp4" and scales_vec_fit(kd, tiles, s)
     _moe_gemm_q_kernel[(block_expert.numel(), triton.cdiv(n, tiles["BLOCK_N"]))](
         a, w, s, rs, out, sorted_ids, block_expert, w_flat,
         n, kd, E, w_flat.numel(), top_k, a.stride(0), w.stride(0), w.stride(1), *s_strides, rs.stride(0),
@@ -894,12 +895,11 @@ def _moe_gemm_q(
     return out
 
 
-def scales_vec_fit(kd: int, tiles: dict[str, int]) -> bool:
+def scales_vec_fit(kd: int, tiles: dict[str, int], scales: torch.Tensor | None = None) -> bool:
     """Whether the sorted NVFP4 GEMM loads its block scales as 4-byte vectors (``_moe_gemm_q_kernel``'s SCALES_VEC):
-    asked for (tile key ``SCALES_VEC``, default ``QUANT_SCALES_VEC``) and possible (the K step a multiple of 64 and
-    K of the step: every row's scales start on 4 bytes, every step is whole)."""
-    bk = tiles["BLOCK_K"]
-    return bool(tiles.get("SCALES_VEC", QUANT_SCALES_VEC)) and bk % 64 == 0 and kd % bk == 0
+    asked for (tile key ``SCALES_VEC``, default ``QUANT_SCALES_VEC``) and possible (``vec_scales_fit``: whole
+    steps, a multiple of 64, rows of ``scales`` on 4 bytes)."""
+    return bool(tiles.get("SCALES_VEC", QUANT_SCALES_VEC)) and vec_scales_fit(kd, tiles["BLOCK_K"], scales)
 
 
 def _sorted_tiles(t: dict[str, int], override: dict[str, int] | None, n: int, kd: int) -> dict[str, int]:

@@ -999,6 +999,14 @@ def _launch_gemv_wide(
     return out
 
 
+def vec_scales_fit(k: int, block_k: int, scales: torch.Tensor | None = None) -> bool:
+    """Whether ``_vec_scales`` can load each K step's block scales as 4-byte vectors: the step a multiple of 64 and
+    K of the step (every step whole), and, given the raw scales [..., rows, K / 16], every row starting on 4 bytes
+    (a view may start anywhere). The dot path's ``scales_vec`` and the quantised MoE GEMMs' SCALES_VEC."""
+    whole = block_k % 64 == 0 and k % block_k == 0
+    return whole and (scales is None or (scales.stride(-2) % 4 == 0 and scales.data_ptr() % 4 == 0))
+
+
 def _launch_dot(
     x: torch.Tensor,
     words: torch.Tensor,
@@ -1012,8 +1020,7 @@ def _launch_dot(
     M, K = x.shape
     N = words.shape[-2]
     cfg = _fit(cfg, "dot", M, N, K)
-    vec = cfg.scales_vec and not gather_scales and cfg.block_k % 64 == 0 and K % cfg.block_k == 0
-    vec = vec and scales.stride(0) % 4 == 0 and scales.data_ptr() % 4 == 0
+    vec = cfg.scales_vec and not gather_scales and vec_scales_fit(K, cfg.block_k, scales)
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     split, k_per_split = _split_k(cfg, x.device, tiles, K)
     out = torch.empty((M, N), dtype=out_dtype, device=x.device)
