@@ -351,8 +351,9 @@ def kernels_attention(
     ] = "1024,4096",
     prefill_q_lens: Annotated[str, typer.Option("--prefill-q-lens", help="prefill lengths, one request")] = "8192",
     decode_impl: Annotated[
-        str, typer.Option("--decode-impl", help="cuda_cores, tc_fa2, tc_fa3 (tensor cores through prefill kernels)")
-    ] = "cuda_cores,tc_fa2,tc_fa3",
+        str,
+        typer.Option("--decode-impl", help="cuda_cores, tc_fa2, tc_fa3 (tensor cores through prefill kernels), triton"),
+    ] = "cuda_cores,tc_fa2,tc_fa3,triton",
     prefill_impl: Annotated[str, typer.Option("--prefill-impl", help="fa2, fa3")] = "fa2,fa3",
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="bf16 | fp8")] = "bf16",
     page_size: Annotated[int, typer.Option("--page-size", help="KV page size")] = 16,
@@ -360,7 +361,8 @@ def kernels_attention(
     out: _KernelOutDir = Path("results"),
     label: _Label = None,
 ) -> None:
-    """FlashInfer decode (CUDA cores vs tensor cores) and prefill (FA2 vs FA3) at a model's pool shapes."""
+    """Decode (FlashInfer CUDA cores vs tensor cores vs perfkit's Triton split-KV) and prefill (FA2 vs FA3) at a
+    model's pool shapes."""
     from perfkit.results import KernelRow, write_result
     from perfkit.runners.attention_sweep import attention_cases, best_impls, run_attention_sweep
 

@@ -87,6 +87,14 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "dequant for NVFP4 experts (H200 A/B), quantized for FP8 experts (their dequant lost at every size timed); "
         "no effect on other experts",
     ),
+    "decode_attention": (
+        ("auto", "flashinfer", "triton"),
+        "flashinfer",
+        "the decode rows' attention kernel under attention=flashinfer: FlashInfer's decode (flashinfer) vs perfkit's "
+        "split-KV Triton kernel, many programs per request so small batches read the pages at bandwidth, then a "
+        "merge of the splits (triton); auto = triton up to TRITON_DECODE_MAX_BATCH decode rows, flashinfer above; "
+        "no effect with attention=torch",
+    ),
     "attention": (
         ("auto", "flashinfer", "torch"),
         "auto",
@@ -123,6 +131,7 @@ class Toggles(BaseModel):
     overlap: Literal["on", "off"] = "on"
     moe_gather: Literal["gemv", "kernels"] = "kernels"
     moe_prefill: Literal["auto", "quantized", "dequant"] = "auto"
+    decode_attention: Literal["auto", "flashinfer", "triton"] = "flashinfer"
     attention: Literal["auto", "flashinfer", "torch"] = "auto"
 
     @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", mode="before")
@@ -145,6 +154,7 @@ class PartialToggles(BaseModel):
     overlap: Literal["on", "off"] | None = None
     moe_gather: Literal["gemv", "kernels"] | None = None
     moe_prefill: Literal["auto", "quantized", "dequant"] | None = None
+    decode_attention: Literal["auto", "flashinfer", "triton"] | None = None
     attention: Literal["auto", "flashinfer", "torch"] | None = None
 
     @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", mode="before")

@@ -33,7 +33,8 @@ ProfileKind = Literal["torch", "cuda", "python", "none"]
 # FlashInfer's attention kernels, PyTorch's copy / elementwise kernels (C++ names with "::"), then perfkit's other
 # Triton kernels (plain Python names starting with "_").
 _KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("attention", ("batchdecode", "batchprefill", "flashinfer", "mergestate", "merge_state")),
+    ("attention", ("batchdecode", "batchprefill", "flashinfer", "mergestate", "merge_state", "_paged_decode",
+                   "_merge_splits")),
     (
         "gemm",
         ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "_w4a16", "_fp8", "_moe_gather", "matmul", "cublas"),

@@ -798,9 +798,10 @@ DOT_LARGE_CONFIG = W4A16Config(
 )
 # The dot path's rows past M (the last row tile's padding): masked, so they load nothing, instead of clamped to
 # row M - 1. Why: the 128-row tile got slower as M fell with the same grid and work (12-02, 5-w4a16_vec.jsonl,
-# 43008 x 5376: 271.8 us at M = 128, 375.9 at 96, 538.5 at 32); every program re-reading row M - 1 for its
-# padding rows is the suspect (one L2 line hit by all SMs at once). Off until timed.
-DOT_ROW_MASK = False
+# 43008 x 5376: 271.8 us at M = 128, 375.9 at 96, 538.5 at 32): every program re-read row M - 1 for each padding
+# row. Masked, the time no longer depends on M (H200 12-03, docs/h200-runs/2026-12-03/1-rowmask.jsonl, DOT_LARGE_
+# CONFIG at 43008 x 5376: M 32 532.8 -> 271.6 us, M 96 373.3 -> 270.2, M 128 272.8 -> 273.5 (no padding rows)).
+DOT_ROW_MASK = True
 DOT_FP32_CONFIG = W4A16Config(block_m=64, block_n=64, block_k=32, num_warps=8, num_stages=2)  # fp32 FMA dot
 DEQUANT_CONFIG = W4A16Config(block_m=1, block_n=16, block_k=512, num_warps=4, num_stages=1)
 # The CPU interpreter runs one program at a time in Python (cost ~ programs x ops): one wide tile per problem.

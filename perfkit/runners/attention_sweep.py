@@ -7,7 +7,8 @@ head_dim 256 with a window, full: head_dim 512), and they differ in GQA group, s
 Cases (``attention_cases``, pure: testable on a CPU):
 
 - decode, per (pool, batch, kv_len, impl): ``cuda_cores`` (FlashInfer's batch-decode kernel), ``tc_fa2`` /
-  ``tc_fa3`` (``use_tensor_cores=True``: decode through the paged-prefill kernels of that backend). A sliding pool
+  ``tc_fa3`` (``use_tensor_cores=True``: decode through the paged-prefill kernels of that backend), ``triton``
+  (perfkit's split-KV kernel, ``perfkit.kernels.paged_decode``, with the engine's split rule). A sliding pool
   only ever holds ``min(kv_len, window)`` keys per request (the engine frees pages that left the window), so
   that is what the case reads. Bound = bytes (KV read + q + out) / HBM bandwidth.
 - prefill, per (pool, q_len, impl in fa2 / fa3): one causal request of ``q_len`` new tokens (sliding: the window
@@ -35,7 +36,7 @@ from perfkit.runtime.attention.flashinfer import window_left
 from perfkit.runtime.kv_cache import PoolSpec, pool_specs
 from perfkit.runtime.model_config import get_preset
 
-DECODE_IMPLS = ("cuda_cores", "tc_fa2", "tc_fa3")
+DECODE_IMPLS = ("cuda_cores", "tc_fa2", "tc_fa3", "triton")
 PREFILL_IMPLS = ("fa2", "fa3")
 HBM_BYTES_PER_S = 4.3e12  # H200 achievable DRAM bandwidth
 MATMUL_FLOPS_PER_S = 790e12  # H200 bf16 dense matmul rate measured with cuBLAS (device README)
@@ -170,23 +171,38 @@ def _decode_fn(fi, torch, row: dict[str, Any], spec: PoolSpec, page_size: int, w
     indices = torch.arange(b * pages, dtype=torch.int32, device=dev)
     last_len = torch.full((b,), last, dtype=torch.int32)
     impl = row["impl"]
-    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
-        workspace, "NHD", use_tensor_cores=impl != "cuda_cores", backend="fa3" if impl == "tc_fa3" else "auto"
-    )
-    wl = window_left(spec.window)
-    wrapper.plan(indptr, indices, last_len, spec.num_heads, spec.num_kv_heads, spec.head_dim, page_size,
-                 window_left=wl, sm_scale=1.0, q_data_type=torch.bfloat16, kv_data_type=kv_dt)  # fmt: skip
     q = torch.randn(b, spec.num_heads, spec.head_dim, device=dev, dtype=torch.bfloat16)
     out = torch.empty_like(q)
+    if impl == "triton":
+        from perfkit.kernels.launch import sm_count
+        from perfkit.kernels.paged_decode import paged_decode_attention, pick_splits
+
+        indptr_d, lens_d = indptr.to(dev), torch.full((b,), n, dtype=torch.int32, device=dev)
+        splits = pick_splits(b, spec.num_kv_heads, sm_count(dev), spec.window)
+        row["num_splits"] = splits
+
+        def run(c):
+            paged_decode_attention(q, c, indices, indptr_d, lens_d, window=spec.window, num_splits=splits, out=out)
+    else:
+        wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_tensor_cores=impl != "cuda_cores", backend="fa3" if impl == "tc_fa3" else "auto"
+        )
+        wrapper.plan(indptr, indices, last_len, spec.num_heads, spec.num_kv_heads, spec.head_dim, page_size,
+                     window_left=window_left(spec.window), sm_scale=1.0, q_data_type=torch.bfloat16,
+                     kv_data_type=kv_dt)  # fmt: skip
+
+        def run(c):
+            wrapper.run(q, c, out=out)
+
     for c in caches:  # warm up (and fail here, outside the capture, when the backend cannot run the case)
-        wrapper.run(q, c, out=out)
+        run(c)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         for c in caches:
-            wrapper.run(q, c, out=out)
+            run(c)
     torch.cuda.current_stream().wait_stream(stream)
     return graph.replay, copies, out
 

@@ -363,6 +363,7 @@ def load_target(
         overlap=toggles.overlap == "on",
         moe_gather=toggles.moe_gather,
         moe_prefill=toggles.moe_prefill,
+        decode_attention=toggles.decode_attention,
         decode_use_tensor_cores=None if rt.decode_tensor_cores == "auto" else rt.decode_tensor_cores == "on",
         seed=mcfg.seed,
     )

@@ -12,6 +12,7 @@ ids are on the host, in either mode.
 Toggles (settable on a live engine with `set_toggle`; both arms of every toggle give identical tokens):
   attention=flashinfer|torch   page_table=host|padded   mask=triton|dense   mm_embed_cache=on|off
   cuda_graphs=on|off (decode graphs; only with a backend that supports them, i.e. flashinfer)   overlap=on|off
+  decode_attention=auto|flashinfer|triton (the decode rows' kernel under attention=flashinfer; rounding-level)
 Three toggles change the arithmetic's order, so their arms agree to rounding rather than bit for bit:
   fused_kernels=on|off   moe_gather=gemv|kernels (NVFP4 experts at decode sizes; no effect on other models)
   moe_prefill=auto|quantized|dequant (NVFP4 / FP8 experts at prefill sizes; no effect on other models)
@@ -48,6 +49,7 @@ TOGGLES = {
     "overlap": ("on", "off"),
     "moe_gather": ("gemv", "kernels"),
     "moe_prefill": ("auto", "quantized", "dequant"),
+    "decode_attention": ("auto", "flashinfer", "triton"),
 }
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}  # fmt: skip
@@ -76,6 +78,7 @@ class EngineConfig:
     num_kv_pages: int | None = None  # override: pages per pool (tests); else kv_cache_bytes; else measured
     kv_cache_bytes: int | None = None  # override: KV budget in bytes (before the split between pools)
     decode_use_tensor_cores: bool | None = None  # flashinfer decode; None = by pool and batch (measured rule)
+    decode_attention: str = "flashinfer"  # auto | flashinfer | triton: the decode rows' kernel (attention=flashinfer)
     workspace_bytes: int = 256 << 20  # flashinfer float workspace, shared by every wrapper
     seed: int = 0  # sampling generators
 
@@ -160,7 +163,7 @@ class Engine:
     # ---- construction ----------------------------------------------------------------------------------------
     @staticmethod
     def _validate_toggles(ec: EngineConfig) -> None:
-        for name in ("attention", "page_table", "mask", "moe_gather", "moe_prefill"):
+        for name in ("attention", "page_table", "mask", "moe_gather", "moe_prefill", "decode_attention"):
             if getattr(ec, name) not in TOGGLES[name]:
                 raise PerfkitError(f"{name}={getattr(ec, name)!r}; allowed: {', '.join(TOGGLES[name])}")
 
@@ -248,6 +251,7 @@ class Engine:
                 self._backends[name] = FlashInferBackend(
                     self.kv, workspace_bytes=self.ec.workspace_bytes,
                     decode_use_tensor_cores=self.ec.decode_use_tensor_cores, q_dtype=self.model.dtype,
+                    decode_kernel=self.ec.decode_attention, max_batch_size=self.ec.max_batch_size,
                 )  # fmt: skip
         return self._backends[name]
 
@@ -308,6 +312,14 @@ class Engine:
             if self.model.set_moe_gather(value):  # only models with NVFP4 experts change path
                 self._graphs = None
                 self._sync_graphs()
+        elif name == "decode_attention" and value != self.ec.decode_attention:
+            self.ec = replace(self.ec, decode_attention=value)
+            fi = self._backends.get("flashinfer")
+            if fi is not None:
+                fi.decode_kernel = value
+                if self._graphs is not None and self._graphs.backend is fi:
+                    self._graphs = None  # the captured graphs launch the other decode kernel: capture again
+                    self._sync_graphs()
         elif name == "moe_prefill" and value != self.ec.moe_prefill:  # prefill runs eagerly: no graph to redo
             self.ec = replace(self.ec, moe_prefill=value)
             self.model.set_moe_prefill(value)
@@ -319,7 +331,7 @@ class Engine:
             "mm_embed_cache": "on" if ec.mm_embed_cache else "off", "cuda_graphs": "on" if ec.cuda_graphs else "off",
             "fused_kernels": "on" if ec.fused_kernels else "off",
             "nvtx": "on" if self.ranges is self._recorder else "off", "overlap": "on" if ec.overlap else "off",
-            "moe_gather": ec.moe_gather, "moe_prefill": ec.moe_prefill,
+            "moe_gather": ec.moe_gather, "moe_prefill": ec.moe_prefill, "decode_attention": ec.decode_attention,
         }  # fmt: skip
 
     # ---- requests --------------------------------------------------------------------------------------------

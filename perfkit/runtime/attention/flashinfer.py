@@ -22,17 +22,32 @@ FP8 KV (cache dtype float8_e4m3fn, Q stays bf16): plan() gets `kv_data_type=floa
 FA2 for prefill: FA3 needs fp8 Q), `write_kv` quantises with the cache layer's fixed scales, and every run() gets
 them as Python floats (`k_scale` folds into sm_scale, `v_scale` multiplies the output). The scales are constants
 per layer, so graph capture records them like any other launch argument.
+
+Decode rows may instead run perfkit's split-KV Triton kernel (`perfkit.kernels.paged_decode`; toggle
+`decode_attention=flashinfer|triton|auto`, auto = Triton up to `TRITON_DECODE_MAX_BATCH` decode rows): FlashInfer's
+decode is latency-bound at small batches. That kernel reads the page table on the device, so `set_metadata` uploads
+the decode rows' indptr and kv lengths into a fixed device buffer per pool (pinned staging, one async copy) and,
+for a graph replay, copies the indices into a fixed buffer too: a captured launch reads the same addresses at every
+replay, and the builders' own index buffers differ between capture (DecodeGraphs' dummy tables) and replay.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from perfkit.errors import PerfkitError
+from perfkit.kernels.launch import sm_count
+from perfkit.kernels.paged_decode import paged_decode_attention, pick_splits
 from perfkit.runtime.attention.base import AttnLayer
 from perfkit.runtime.attention.torch_paged import kv_write_target, write_layer_kv
 from perfkit.runtime.kv_cache import SLIDING_POOL, PagedKVCache
-from perfkit.runtime.page_table import AttentionMetadata
+from perfkit.runtime.page_table import AttentionMetadata, PinnedStaging, PoolTable
+
+DECODE_KERNELS = ("auto", "flashinfer", "triton")
+TRITON_DECODE_MAX_BATCH = 8  # decode_attention=auto: the Triton kernel up to this many decode rows
 
 
 def window_left(window: int | None) -> int:
@@ -55,6 +70,25 @@ def default_use_tensor_cores(num_heads: int, num_kv_heads: int, batch_size: int)
     return num_heads // num_kv_heads >= 4 or batch_size <= TENSOR_CORE_MAX_BATCH
 
 
+def use_triton_decode(decode_kernel: str, batch_size: int) -> bool:
+    """Which kernel runs a step's decode rows: ``decode_kernel`` itself, or for auto the Triton split-KV kernel up
+    to TRITON_DECODE_MAX_BATCH rows (the latency-bound sizes) and FlashInfer's decode above."""
+    if decode_kernel not in DECODE_KERNELS:
+        raise ValueError(f"decode_attention {decode_kernel!r}: allowed values are {', '.join(DECODE_KERNELS)}")
+    return decode_kernel == "triton" or (decode_kernel == "auto" and batch_size <= TRITON_DECODE_MAX_BATCH)
+
+
+@dataclass
+class TritonDecodePlan:
+    """One pool's decode rows for `paged_decode_attention`, every tensor on the device."""
+
+    indices: torch.Tensor  # int32 [nnz]
+    indptr: torch.Tensor  # int32 [B + 1]
+    kv_lens: torch.Tensor  # int32 [B]
+    num_splits: int
+    window: int | None
+
+
 class FlashInferBackend:
     name = "flashinfer"
     supports_cuda_graphs = True
@@ -66,6 +100,8 @@ class FlashInferBackend:
         decode_use_tensor_cores: bool | None = None,
         q_dtype: torch.dtype = torch.bfloat16,
         prefill_backend: str = "auto",
+        decode_kernel: str = "flashinfer",
+        max_batch_size: int = 256,
     ):
         try:
             import flashinfer
@@ -93,7 +129,13 @@ class FlashInferBackend:
         self.graph_decode: dict[int, dict] = {}  # batch size -> pool -> wrapper (use_cuda_graph=True)
         self._events: dict[int, torch.cuda.Event] = {}
         self.meta: AttentionMetadata | None = None
-        self._active: dict[str, tuple] = {}  # pool -> (decode wrapper | None, prefill wrapper | None)
+        self._active: dict[str, tuple] = {}  # pool -> (decode wrapper | TritonDecodePlan | None, prefill wrapper | None)
+        use_triton_decode(decode_kernel, 1)  # validates the value
+        self.decode_kernel = decode_kernel  # toggle decode_attention
+        # the Triton decode's device metadata: fixed addresses (graphs), sized for the engine's largest batch
+        self._tri_meta = {p: PinnedStaging(2 * max_batch_size + 1, torch.int32, self.device) for p in kv_cache.specs}
+        self._tri_indices = {p: torch.zeros(kv_cache.num_pages[p] + max_batch_size, dtype=torch.int32,
+                                            device=self.device) for p in kv_cache.specs}  # fmt: skip
 
     def tensor_cores(self, pool: str, batch_size: int) -> bool:
         if self.tensor_cores_flag is not None:
@@ -125,6 +167,19 @@ class FlashInferBackend:
         self.graph_decode[batch_size] = wrappers
 
     # ---- per-step planning -----------------------------------------------------------------------------------
+    def _triton_decode_plan(self, pool: str, pt: PoolTable, nd: int, graph: bool) -> TritonDecodePlan:
+        """Upload the decode rows' indptr and kv lengths (one async copy from pinned staging; no sync) and, for a
+        graph replay, copy their page indices into the fixed buffer the captured launch reads."""
+        spec = self.kv.specs[pool]
+        dev = self._tri_meta[pool].upload(np.concatenate([pt.indptr[: nd + 1].numpy(), pt.kv_lens[:nd].numpy()]))
+        nnz = int(pt.indptr[nd])
+        indices = pt.indices[:nnz]
+        if graph:
+            self._tri_indices[pool][:nnz].copy_(indices, non_blocking=True)
+            indices = self._tri_indices[pool]
+        splits = pick_splits(nd, spec.num_kv_heads, sm_count(self.device), spec.window)
+        return TritonDecodePlan(indices, dev[: nd + 1], dev[nd + 1 : 2 * nd + 1], splits, spec.window)
+
     def _plan(self, wrapper, fn, *args, **kw) -> None:
         ev = self._events.get(id(wrapper))
         if ev is not None and not ev.query():
@@ -145,7 +200,9 @@ class FlashInferBackend:
                 window_left=window_left(spec.window), sm_scale=1.0, q_data_type=self.q_dtype, kv_data_type=kv_dtype
             )
             dec = pre = None
-            if nd:
+            if nd and use_triton_decode(self.decode_kernel, nd):
+                dec = self._triton_decode_plan(pool, pt, nd, graph=meta.graph_batch_size is not None)
+            elif nd:
                 dec = (self.graph_decode[meta.graph_batch_size][pool] if meta.graph_batch_size
                        else self._eager_decode(pool, nd))  # fmt: skip
                 nnz = int(pt.indptr[nd])
@@ -178,7 +235,10 @@ class FlashInferBackend:
         nd = meta.num_decodes
         q = q.to(self.q_dtype)
         out = torch.empty_like(q)
-        if dec is not None:
+        if isinstance(dec, TritonDecodePlan):
+            paged_decode_attention(q[:nd], cache, dec.indices, dec.indptr, dec.kv_lens, window=dec.window,
+                                   k_scale=k_scale, v_scale=v_scale, num_splits=dec.num_splits, out=out[:nd])  # fmt: skip
+        elif dec is not None:
             dec.run(q[:nd], cache, out=out[:nd], **scales)
         if pre is not None:
             pre.run(q[nd:], cache, out=out[nd:], **scales)

@@ -1,0 +1,423 @@
+"""Paged decode attention (one query token per request): split-KV over the live pages, then a merge of the splits.
+
+Why a kernel of our own: at small batches FlashInfer's decode is latency-bound, not bandwidth-bound. On the H200
+(``docs/h200-runs/2026-12-01b/1-attention-*.json``, CUDA-graph replays) one batch-1 decode layer took 11-16 µs for
+4-17 MB of KV: 31B sliding (hd 256, 16 kv heads) 13.7 µs against a 3.9 µs bound, 26B-A4B sliding 11.4 against
+2.0, the hd 512 full pools 13-14 µs against 1-2. Summed over the layers that is ~0.5 ms of a 31B batch-1 step and
+~0.45 ms (12 %) of a 26B-A4B one. Decode is a pure read of the pages, so the way to the bound is enough programs in
+flight at once: the keys of one (request, kv head) are cut into ``splits`` slices, one program each, and a second
+launch merges the slices' partial softmaxes ("flash-decoding").
+
+Layout: the engine's paged cache ``[num_pages, 2, page_size, kv_heads, head_dim]`` (dim 1: 0 = K, 1 = V) in the
+activation dtype (bf16 / fp16) or float8_e4m3fn (read as bytes, decoded in registers, dequantised with the
+layer's fixed k / v scales, as FlashInfer's fp8 path does). The decode rows' CSR page table, all DEVICE int32 so
+a CUDA graph can capture the launch and replay it with new contents: ``indptr [B+1]``, ``indices [nnz]`` (the live
+pages of row b in order, the first holding kv position 0 as the kernel sees it), ``kv_lens [B]``. Row b's query
+sits at kv position ``kv_lens[b] - 1`` and sees key j iff ``j < kv_len`` and, on sliding layers,
+``kv_len - 1 - j < window`` (the engine's mask rule; `perfkit.runtime.attention.torch_paged.request_mask`).
+Softmax scale 1.0 (Gemma4's q_norm carries it).
+
+Stage 1, grid (B, kv_heads, splits): program (b, g, s) holds the GQA group's query heads as the rows of one
+``[BLOCK_H, head_dim]`` tile (tensor-core dots need 16 rows; rows past the group are masked) and runs an online
+softmax over its slice of the visible keys, BLOCK_N token rows at a time (a page is gathered row by row, so
+BLOCK_N need not divide the page size). Slices are whole BLOCK_N multiples of the visible span. With one split
+it writes the normalised output itself; otherwise its partial output (fp32, normalised by its own sum) and its
+log2-sum-exp. Stage 2, grid (B, heads): ``out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m)``. ``splits`` is a
+launch argument, not a compile-time constant, so any batch compiles the same two variants (direct / split).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from perfkit.kernels.fp8 import FP8_DTYPE
+from perfkit.kernels.launch import interpreting
+
+LOG2E = 1.4426950408889634
+
+# --------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["num_splits", "window"])  # one compile per pool shape, whatever the batch
+def _paged_decode_kernel(
+    q_ptr,  # [B, H, D] (row stride stride_qb, head stride stride_qh, d contiguous)
+    cache_ptr,  # [P, 2, PS, KVH, D]; an fp8 cache as its uint8 view
+    indices_ptr,  # int32 [nnz]
+    indptr_ptr,  # int32 [B + 1]
+    kv_lens_ptr,  # int32 [B]
+    out_ptr,  # [B, H, D] (DIRECT)
+    part_ptr,  # fp32 [B, H, splits, D] (not DIRECT)
+    lse_ptr,  # fp32 [B, H, splits] (not DIRECT)
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_page,
+    stride_kv,
+    stride_tok,
+    stride_head,
+    num_splits,
+    window,  # 0: no window
+    qk_scale,  # k_scale * log2(e): scores in the log2 domain
+    v_scale,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    DIRECT: tl.constexpr,
+    UPCAST: tl.constexpr,  # interpreter only: its bf16 tl.dot multiplies the raw uint16 bits, so dot in fp32
+):
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    s = tl.program_id(2)
+    kv_len = tl.load(kv_lens_ptr + b)
+    first = tl.load(indptr_ptr + b)
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(kv_len - window, 0)  # keys before lo are outside the window
+    chunk = tl.cdiv(tl.cdiv(kv_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + s * chunk
+    end = tl.minimum(start + chunk, kv_len)
+
+    rows = tl.arange(0, BLOCK_H)
+    heads = g * GROUP + rows
+    hmask = rows < GROUP
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0
+    )  # [BLOCK_H, D]
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        tmask = t < end
+        page = tl.load(indices_ptr + first + t // PAGE_SIZE, mask=tmask, other=0).to(tl.int64)
+        row = page * stride_page + (t % PAGE_SIZE) * stride_tok + g * stride_head  # [BLOCK_N]
+        k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=tmask[:, None], other=0)
+        v = tl.load(cache_ptr + stride_kv + row[:, None] + d[None, :], mask=tmask[:, None], other=0)
+        if FP8:  # e4m3 -> the query's dtype is exact (bf16 / fp16 hold every e4m3 value)
+            k = k.to(tl.float8e4nv, bitcast=True)
+            v = v.to(tl.float8e4nv, bitcast=True)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        if UPCAST:
+            sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        sc = sc * qk_scale  # [BLOCK_H, BLOCK_N] fp32
+        sc = tl.where(tmask[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        alpha = tl.exp2(m_i - m_new)  # first block: exp2(-inf) = 0
+        p = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if UPCAST:  # p rounded to q's dtype as on the GPU, then multiplied exactly
+            pv = tl.dot(p.to(q.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if DIRECT:  # one split: it always holds key kv_len - 1, so l_i > 0
+        o = acc / l_i[:, None] * v_scale
+        out = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    else:  # an empty slice (short rows, many splits) writes weight 0: lse -inf, output 0
+        nonempty = l_i > 0
+        l_safe = tl.where(nonempty, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
+        num_heads = tl.num_programs(1) * GROUP
+        slot = (b.to(tl.int64) * num_heads + heads) * num_splits + s  # [BLOCK_H]
+        tl.store(part_ptr + slot[:, None] * HEAD_DIM + d[None, :], o, mask=hmask[:, None])
+        tl.store(lse_ptr + slot, lse, mask=hmask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(
+    part_ptr,  # fp32 [B, H, splits, D]
+    lse_ptr,  # fp32 [B, H, splits]
+    out_ptr,  # [B, H, D]
+    stride_ob,
+    stride_oh,
+    num_splits,
+    v_scale,
+    HEAD_DIM: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    base = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
+    m = tl.load(lse_ptr + base)  # split 0 always holds keys: finite
+    for s in range(1, num_splits):  # pass 1: the largest lse
+        m = tl.maximum(m, tl.load(lse_ptr + base + s))
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    denom = tl.zeros([HEAD_DIM], tl.float32)
+    for s in range(num_splits):  # pass 2: weights 2^(lse - m), empty splits 0
+        w = tl.exp2(tl.load(lse_ptr + base + s) - m)
+        denom += w
+        acc += w * tl.load(part_ptr + (base + s) * HEAD_DIM + d)
+    o = acc / denom * v_scale
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------------------------
+
+DECODE_BLOCK_N = 32  # key rows per step (H200 sweep in the module's bench: see pick_block_n)
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 2
+DECODE_MAX_SPLITS = 64
+DECODE_PROGRAMS_PER_SM = 2  # splits fill about this many programs per SM (stage 1)
+
+
+def pick_splits(batch: int, num_kv_heads: int, sms: int, max_span: int | None, block_n: int = DECODE_BLOCK_N,
+                programs_per_sm: int = DECODE_PROGRAMS_PER_SM, max_splits: int = DECODE_MAX_SPLITS) -> int:  # fmt: skip
+    """Slices per (request, kv head): enough programs for ``programs_per_sm`` per SM, no more slices than the
+    longest visible span has BLOCK_N blocks (``max_span``: the window on sliding pools; None = unbounded), at most
+    ``max_splits``. Depends on the batch and the pool only, never on this step's kv lengths, so a CUDA graph
+    captured for a batch size replays with the same grid whatever the lengths are."""
+    want = math.ceil(programs_per_sm * sms / max(1, batch * num_kv_heads))
+    if max_span is not None:
+        want = min(want, math.ceil(max_span / block_n))
+    return max(1, min(want, max_splits))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    indices: torch.Tensor,
+    indptr: torch.Tensor,
+    kv_lens: torch.Tensor,
+    *,
+    window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    num_splits: int = 1,
+    out: torch.Tensor | None = None,
+    block_n: int = DECODE_BLOCK_N,
+    num_warps: int = DECODE_NUM_WARPS,
+    num_stages: int = DECODE_NUM_STAGES,
+) -> torch.Tensor:
+    """Attention of one query token per row over its paged keys; q [B, H, D] (bf16 / fp16), cache
+    [P, 2, page_size, KVH, D] (q's dtype or float8_e4m3fn), indices / indptr / kv_lens device int32 (see the
+    module docstring). Returns ``out`` [B, H, D] (q's dtype; written in place when given)."""
+    B, H, D = q.shape
+    P, two, page_size, kvh, Dc = cache.shape
+    if two != 2 or Dc != D or H % kvh:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(cache.shape)} (need [P, 2, ps, kvh, D], H % kvh == 0)")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"q dtype {q.dtype}: the decode kernel takes bf16 or fp16 queries")
+    fp8 = cache.dtype == FP8_DTYPE
+    if not fp8 and cache.dtype != q.dtype:
+        raise ValueError(f"cache dtype {cache.dtype} is neither q's ({q.dtype}) nor float8_e4m3fn")
+    if D & (D - 1) or cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("head_dim must be a power of two with contiguous q / cache rows")
+    out = torch.empty_like(q) if out is None else out
+    if B == 0:
+        return out
+    group = H // kvh
+    block_h = max(16, triton.next_power_of_2(group))
+    num_splits = max(1, int(num_splits))
+    direct = num_splits == 1
+    if direct:
+        part = lse = out  # unused
+    else:
+        part = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    c = cache.view(torch.uint8) if fp8 else cache
+    _paged_decode_kernel[(B, kvh, num_splits)](
+        q, c, indices, indptr, kv_lens, out, part, lse,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        c.stride(0), c.stride(1), c.stride(2), c.stride(3),
+        num_splits, window or 0, float(k_scale) * LOG2E, float(v_scale),
+        GROUP=group, BLOCK_H=block_h, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_N=block_n, FP8=fp8, DIRECT=direct,
+        UPCAST=interpreting(), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if not direct:
+        _merge_splits_kernel[(B, H)](
+            part, lse, out, out.stride(0), out.stride(1), num_splits, float(v_scale), HEAD_DIM=D, num_warps=4
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reference and traffic
+# --------------------------------------------------------------------------------------------------------------
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    indices: torch.Tensor,
+    indptr: torch.Tensor,
+    kv_lens: torch.Tensor,
+    *,
+    window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """Per row in fp32: gather the live pages back, keep the visible keys, softmax(q k^T) v; fp8 caches read as
+    float(stored) * scale. The output in q's dtype."""
+    B, H, D = q.shape
+    kvh = cache.shape[3]
+    ind, ptr, lens = indices.long().cpu(), indptr.long().cpu().tolist(), kv_lens.long().cpu().tolist()
+    out = torch.empty_like(q)
+    for b in range(B):
+        pages = ind[ptr[b] : ptr[b + 1]].to(cache.device)
+        kv_len = lens[b]
+        k = cache[pages, 0].reshape(-1, kvh, D)[:kv_len].float() * k_scale
+        v = cache[pages, 1].reshape(-1, kvh, D)[:kv_len].float() * v_scale
+        lo = max(kv_len - window, 0) if window else 0
+        k, v = k[lo:], v[lo:]
+        k = k.repeat_interleave(H // kvh, dim=1)  # [n, H, D]
+        v = v.repeat_interleave(H // kvh, dim=1)
+        s = torch.einsum("hd,nhd->hn", q[b].float(), k)
+        out[b] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)
+    return out
+
+
+def paged_decode_traffic(
+    kv_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, *, window: int | None = None,
+    kv_bytes: int = 2, q_bytes: int = 2, num_splits: int = 1,
+) -> dict[str, int]:  # fmt: skip
+    """Bytes and FLOPs of one launch: the visible K and V rows read once (``min(kv_len, window)`` per row and kv
+    head), q read and the output written once; with splits > 1 also the fp32 partials and lse written by stage 1
+    and read by stage 2 (``split_bytes``). FLOPs: q k^T and p v, 2 x 2 x visible x heads x head_dim."""
+    visible = sum(min(n, window) if window else n for n in kv_lens)
+    b = len(kv_lens)
+    kv = 2 * visible * num_kv_heads * head_dim * kv_bytes
+    qo = 2 * b * num_heads * head_dim * q_bytes
+    split = 0 if num_splits == 1 else 2 * b * num_heads * num_splits * (head_dim + 1) * 4
+    return {
+        "kv_bytes": kv,
+        "split_bytes": split,
+        "total_bytes": kv + qo + split,
+        "min_bytes": kv + qo,
+        "flops": 4 * visible * num_heads * head_dim,
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Sweep (CUDA): tiles and split counts against FlashInfer's decode at a model's pool shapes
+# --------------------------------------------------------------------------------------------------------------
+
+SWEEP_TILES = [dict(block_n=bn, num_warps=w) for bn in (16, 32, 64) for w in (4, 8)]
+SWEEP_PROGRAMS_PER_SM = (1, 2, 4)
+L2_BYTES = 50 << 20  # H200: the copies of a case together exceed twice this, so every launch reads from DRAM
+
+
+def sweep(presets=("31b", "26b-a4b"), batches=(1, 2, 4, 8, 16, 32, 64), kv_len: int = 1024, kv_dtype: str = "bf16",
+          tiles=None, programs_per_sm=SWEEP_PROGRAMS_PER_SM, file=sys.stdout) -> list[dict]:  # fmt: skip
+    """Per (preset, pool, batch): FlashInfer's decode (CUDA cores and tensor cores; ``engine`` marks the one the
+    engine's rule picks) and this kernel over ``tiles`` x ``programs_per_sm``, each a CUDA graph of launches over
+    distinct KV copies (L2-cold), median us per launch. One JSON line per measurement; ``x_bound`` against the
+    KV + q + out bytes at 4.3 TB/s; ``max_abs_err`` against the fp32 reference."""
+    from perfkit.runtime.kv_cache import pool_specs
+    from perfkit.runtime.model_config import get_preset
+
+    rows: list[dict] = []
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    for preset in presets:
+        for pool, spec in pool_specs(get_preset(preset).attn_layers()).items():
+            for b in batches:
+                base = {"preset": preset, "pool": pool, "batch": b, "kv_dtype": kv_dtype}
+                for r in _sweep_case(spec, b, kv_len, kv_dtype, tiles or SWEEP_TILES, programs_per_sm, workspace):
+                    rows.append({**base, **r})
+                    print(json.dumps(rows[-1]), file=file, flush=True)
+    return rows
+
+
+def _sweep_case(spec, b: int, kv_len: int, kv_dtype: str, tiles, programs_per_sm, workspace) -> list[dict]:
+    """One (pool, batch) of ``sweep``: every impl on the same q and KV copies."""
+    import flashinfer
+
+    from perfkit.kernels.launch import sm_count
+    from perfkit.kernels.timing import graph_ms
+    from perfkit.runtime.attention.flashinfer import default_use_tensor_cores, window_left
+
+    dev = torch.device("cuda")
+    kv_dt = FP8_DTYPE if kv_dtype == "fp8" else torch.bfloat16
+    n = min(kv_len, spec.window) if spec.window else kv_len
+    pages = math.ceil(n / 16)
+    t = paged_decode_traffic([n] * b, spec.num_heads, spec.num_kv_heads, spec.head_dim, kv_bytes=kv_dt.itemsize)
+    copies = max(1, math.ceil(2 * L2_BYTES / t["min_bytes"]))
+    shape = (b * pages, 2, 16, spec.num_kv_heads, spec.head_dim)
+    caches = [torch.randn(shape, device=dev).to(kv_dt) for _ in range(copies)]
+    q = torch.randn(b, spec.num_heads, spec.head_dim, device=dev, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    indptr = torch.arange(0, (b + 1) * pages, pages, dtype=torch.int32)
+    indptr_d = indptr.to(dev)
+    indices = torch.arange(b * pages, dtype=torch.int32, device=dev)
+    lens = torch.full((b,), n, dtype=torch.int32, device=dev)
+    bound_us = t["min_bytes"] / 4.3e6
+    ref = paged_decode_attention_ref(q, caches[0], indices, indptr, lens, window=spec.window).float()
+    rows = []
+
+    def measure(run, impl: str, **extra) -> None:
+        us = graph_ms(lambda: [run(c) for c in caches]) * 1e3 / copies
+        run(caches[0])
+        err = (out.float() - ref).abs().max().item()
+        rows.append({"kv_len": n, "impl": impl, **extra, "us": round(us, 2), "bound_us": round(bound_us, 2),
+                     "x_bound": round(us / bound_us, 2), "max_abs_err": err})  # fmt: skip
+
+    for tc in (False, True):
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tc)
+        w.plan(indptr, indices, torch.full((b,), n - (pages - 1) * 16, dtype=torch.int32), spec.num_heads,
+               spec.num_kv_heads, spec.head_dim, 16, window_left=window_left(spec.window), sm_scale=1.0,
+               q_data_type=torch.bfloat16, kv_data_type=kv_dt)  # fmt: skip
+        engine = tc == default_use_tensor_cores(spec.num_heads, spec.num_kv_heads, b)
+        measure(lambda c, w=w: w.run(q, c, out=out), "flashinfer_tc" if tc else "flashinfer_cc", engine=engine)
+    for tile in tiles:
+        for pps in programs_per_sm:
+            splits = pick_splits(b, spec.num_kv_heads, sm_count(dev), spec.window, tile["block_n"], pps)
+
+            def run(c, splits=splits, tile=tile):
+                paged_decode_attention(q, c, indices, indptr_d, lens, window=spec.window, num_splits=splits, out=out,
+                                       **tile)  # fmt: skip
+
+            measure(run, "triton", splits=splits, programs_per_sm=pps, **tile)
+    return rows
+
+
+def _main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m perfkit.kernels.paged_decode", description="decode attention sweep")
+    ap.add_argument("--sweep", action="store_true", help="tiles and split counts vs FlashInfer's decode (CUDA)")
+    ap.add_argument("--presets", default="31b,26b-a4b")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64")
+    ap.add_argument("--kv-len", type=int, default=1024)
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
+    ap.add_argument("--default-tile", action="store_true", help="only the default tile and split rule")
+    args = ap.parse_args(argv)
+    if not args.sweep:
+        ap.print_help()
+        return 2
+    if not torch.cuda.is_available():
+        print("the sweep needs a CUDA GPU with flashinfer", file=sys.stderr)
+        return 2
+    try:
+        batches = tuple(int(x) for x in args.batches.split(","))
+    except ValueError:
+        print(f"--batches {args.batches!r}: comma-separated positive integers", file=sys.stderr)
+        return 2
+    default = [dict(block_n=DECODE_BLOCK_N, num_warps=DECODE_NUM_WARPS)]
+    sweep(tuple(args.presets.split(",")), batches, args.kv_len, args.kv_dtype,
+          tiles=default if args.default_tile else None,
+          programs_per_sm=(DECODE_PROGRAMS_PER_SM,) if args.default_tile else SWEEP_PROGRAMS_PER_SM)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
