@@ -89,7 +89,7 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
     ),
     "decode_attention": (
         ("auto", "flashinfer", "triton"),
-        "flashinfer",
+        "auto",
         "the decode rows' attention kernel under attention=flashinfer: FlashInfer's decode (flashinfer) vs perfkit's "
         "split-KV Triton kernel, many programs per request so small batches read the pages at bandwidth, then a "
         "merge of the splits (triton); auto = triton up to TRITON_DECODE_MAX_BATCH decode rows, flashinfer above; "
@@ -131,7 +131,7 @@ class Toggles(BaseModel):
     overlap: Literal["on", "off"] = "on"
     moe_gather: Literal["gemv", "kernels"] = "kernels"
     moe_prefill: Literal["auto", "quantized", "dequant"] = "auto"
-    decode_attention: Literal["auto", "flashinfer", "triton"] = "flashinfer"
+    decode_attention: Literal["auto", "flashinfer", "triton"] = "auto"
     attention: Literal["auto", "flashinfer", "torch"] = "auto"
 
     @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", mode="before")

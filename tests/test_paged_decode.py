@@ -182,7 +182,7 @@ def test_gpu_graph_replay_reads_the_new_page_table():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         run()
-    kl.copy_(torch.tensor([1200, 30], dtype=torch.int32))
+    kl.copy_(torch.tensor([650, 30], dtype=torch.int32))  # within each row's pages (44 and 94)
     perm = torch.randperm(len(ind), device="cuda")
     ind_buf[: len(ind)] = ind[perm]
     g.replay()

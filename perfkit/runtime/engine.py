@@ -78,7 +78,7 @@ class EngineConfig:
     num_kv_pages: int | None = None  # override: pages per pool (tests); else kv_cache_bytes; else measured
     kv_cache_bytes: int | None = None  # override: KV budget in bytes (before the split between pools)
     decode_use_tensor_cores: bool | None = None  # flashinfer decode; None = by pool and batch (measured rule)
-    decode_attention: str = "flashinfer"  # auto | flashinfer | triton: the decode rows' kernel (attention=flashinfer)
+    decode_attention: str = "auto"  # auto | flashinfer | triton: the decode rows' kernel (attention=flashinfer)
     workspace_bytes: int = 256 << 20  # flashinfer float workspace, shared by every wrapper
     seed: int = 0  # sampling generators
 

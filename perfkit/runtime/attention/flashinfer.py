@@ -47,7 +47,11 @@ from perfkit.runtime.kv_cache import SLIDING_POOL, PagedKVCache
 from perfkit.runtime.page_table import AttentionMetadata, PinnedStaging, PoolTable
 
 DECODE_KERNELS = ("auto", "flashinfer", "triton")
-TRITON_DECODE_MAX_BATCH = 8  # decode_attention=auto: the Triton kernel up to this many decode rows
+# decode_attention=auto: the Triton kernel up to this many decode rows. H200 12-03 (configs/ab_decode_attention.yaml,
+# docs/h200-runs/2026-12-03/2-*), bf16, both kernels in one run, forward_decode device mean flashinfer -> triton:
+# 31B c1 17.18 -> 16.92 ms, c4 18.28 -> 17.72, c8 18.74 -> 18.60; 26B-A4B c1 3.888 -> 3.723, c4 6.334 -> 5.804,
+# c8 8.600 -> 8.273 (two repeats each within 0.01 ms, SM clocks within 0.7 %). Not timed in the engine above 8.
+TRITON_DECODE_MAX_BATCH = 8
 
 
 def window_left(window: int | None) -> int:
@@ -100,7 +104,7 @@ class FlashInferBackend:
         decode_use_tensor_cores: bool | None = None,
         q_dtype: torch.dtype = torch.bfloat16,
         prefill_backend: str = "auto",
-        decode_kernel: str = "flashinfer",
+        decode_kernel: str = "auto",
         max_batch_size: int = 256,
     ):
         try:
