@@ -24,9 +24,6 @@ BLOCK_N need not divide the page size). Slices are whole BLOCK_N multiples of th
 it writes the normalised output itself; otherwise its partial output (fp32, normalised by its own sum) and its
 log2-sum-exp. Stage 2, grid (B, heads): ``out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m)``. ``splits`` is a
 launch argument, not a compile-time constant, so any batch compiles the same two variants (direct / split).
-With ``fused_merge`` the slices merge themselves instead: each draws a ticket from a per-(request, kv head) counter
-after its stores (a CTA barrier, then one gpu-scope acq_rel atomic, CUTLASS's semaphore pattern), and the one that
-draws the last ticket reads every slice's partial (L2, not L1) and writes the output, then zeroes the counter.
 """
 
 from __future__ import annotations
@@ -60,7 +57,6 @@ def _paged_decode_kernel(
     out_ptr,  # [B, H, D] (DIRECT)
     part_ptr,  # fp32 [B, H, splits, D] (not DIRECT)
     lse_ptr,  # fp32 [B, H, splits] (not DIRECT)
-    count_ptr,  # int32 [B, KVH], zero between launches (FUSED_MERGE: arrival tickets, reset by the merging slice)
     stride_qb,
     stride_qh,
     stride_ob,
@@ -80,7 +76,6 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
     DIRECT: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,  # the last slice of a (request, kv head) to finish merges them: no second launch
     UPCAST: tl.constexpr,  # interpreter only: its bf16 tl.dot multiplies the raw uint16 bits, so dot in fp32
 ):
     b = tl.program_id(0)
@@ -147,29 +142,6 @@ def _paged_decode_kernel(
         slot = (b.to(tl.int64) * num_heads + heads) * num_splits + s  # [BLOCK_H]
         tl.store(part_ptr + slot[:, None] * HEAD_DIM + d[None, :], o, mask=hmask[:, None])
         tl.store(lse_ptr + slot, lse, mask=hmask)
-        if FUSED_MERGE:
-            # every thread's stores, then one gpu-scope acq_rel ticket per program (CUTLASS's semaphore pattern);
-            # the program that draws the last ticket sees all the slices' partials and merges them
-            tl.debug_barrier()
-            cnt = count_ptr + b.to(tl.int64) * tl.num_programs(1) + g
-            ticket = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-            if ticket == num_splits - 1:
-                tl.store(cnt, 0)  # every slice has drawn its ticket: ready for the next launch (graph replays)
-                first_slot = (b.to(tl.int64) * num_heads + heads) * num_splits  # [BLOCK_H]
-                m = tl.load(lse_ptr + first_slot, mask=hmask, other=0.0, cache_modifier=".cg")  # slice 0: finite
-                for j in range(1, num_splits):
-                    m = tl.maximum(m, tl.load(lse_ptr + first_slot + j, mask=hmask, other=0.0, cache_modifier=".cg"))
-                acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-                den = tl.zeros([BLOCK_H], tl.float32)
-                for j in range(num_splits):
-                    w = tl.exp2(tl.load(lse_ptr + first_slot + j, mask=hmask, other=0.0, cache_modifier=".cg") - m)
-                    part = tl.load(part_ptr + (first_slot + j)[:, None] * HEAD_DIM + d[None, :], mask=hmask[:, None],
-                                   other=0.0, cache_modifier=".cg")  # fmt: skip
-                    acc += w[:, None] * part
-                    den += w
-                o = acc / den[:, None] * v_scale
-                out = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
-                tl.store(out, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -209,9 +181,6 @@ DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 2
 DECODE_MAX_SPLITS = 64
 DECODE_PROGRAMS_PER_SM = 2  # splits fill about this many programs per SM (stage 1)
-# The merge inside the slices' launch (FUSED_MERGE): saves the second launch and its dependent loads at small
-# batches, where the decode is latency-bound. Off until timed on the GPU.
-DECODE_FUSED_MERGE = False
 
 
 def pick_splits(batch: int, num_kv_heads: int, sms: int, max_span: int | None, block_n: int = DECODE_BLOCK_N,
@@ -238,18 +207,13 @@ def paged_decode_attention(
     v_scale: float = 1.0,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
-    fused_merge: bool | None = None,
-    counters: torch.Tensor | None = None,
     block_n: int = DECODE_BLOCK_N,
     num_warps: int = DECODE_NUM_WARPS,
     num_stages: int = DECODE_NUM_STAGES,
 ) -> torch.Tensor:
     """Attention of one query token per row over its paged keys; q [B, H, D] (bf16 / fp16), cache
     [P, 2, page_size, KVH, D] (q's dtype or float8_e4m3fn), indices / indptr / kv_lens device int32 (see the
-    module docstring). Returns ``out`` [B, H, D] (q's dtype; written in place when given).
-    ``fused_merge`` (default DECODE_FUSED_MERGE): merge the slices in their own launch; it needs ``counters``, int32
-    with at least B x KVH zeros, left zero by the kernel (a CUDA graph must capture a persistent buffer; eager calls
-    may omit it and get a fresh one)."""
+    module docstring). Returns ``out`` [B, H, D] (q's dtype; written in place when given)."""
     B, H, D = q.shape
     P, two, page_size, kvh, Dc = cache.shape
     if two != 2 or Dc != D or H % kvh:
@@ -268,26 +232,21 @@ def paged_decode_attention(
     block_h = max(16, triton.next_power_of_2(group))
     num_splits = max(1, int(num_splits))
     direct = num_splits == 1
-    fused = (DECODE_FUSED_MERGE if fused_merge is None else fused_merge) and not direct
     if direct:
         part = lse = out  # unused
     else:
         part = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
-    if fused and counters is None:
-        counters = torch.zeros(B * kvh, dtype=torch.int32, device=q.device)
-    if fused and (counters.dtype != torch.int32 or counters.numel() < B * kvh):
-        raise ValueError(f"counters: int32 with at least {B * kvh} elements (B x kv heads)")
     c = cache.view(torch.uint8) if fp8 else cache
     _paged_decode_kernel[(B, kvh, num_splits)](
-        q, c, indices, indptr, kv_lens, out, part, lse, counters if fused else kv_lens,
+        q, c, indices, indptr, kv_lens, out, part, lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         c.stride(0), c.stride(1), c.stride(2), c.stride(3),
         num_splits, window or 0, float(k_scale) * LOG2E, float(v_scale),
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_N=block_n, FP8=fp8, DIRECT=direct,
-        FUSED_MERGE=fused, UPCAST=interpreting(), num_warps=num_warps, num_stages=num_stages,
+        UPCAST=interpreting(), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    if not direct and not fused:
+    if not direct:
         _merge_splits_kernel[(B, H)](
             part, lse, out, out.stride(0), out.stride(1), num_splits, float(v_scale), HEAD_DIM=D, num_warps=4
         )
@@ -363,8 +322,7 @@ L2_BYTES = 50 << 20  # H200: the copies of a case together exceed twice this, so
 def sweep(presets=("31b", "26b-a4b"), batches=(1, 2, 4, 8, 16, 32, 64), kv_len: int = 1024, kv_dtype: str = "bf16",
           tiles=None, programs_per_sm=SWEEP_PROGRAMS_PER_SM, file=sys.stdout) -> list[dict]:  # fmt: skip
     """Per (preset, pool, batch): FlashInfer's decode (CUDA cores and tensor cores; ``engine`` marks the one the
-    engine's rule picks) and this kernel over ``tiles`` (launch keywords: block_n, num_warps, fused_merge, ...) x
-    ``programs_per_sm``, each a CUDA graph of launches over
+    engine's rule picks) and this kernel over ``tiles`` x ``programs_per_sm``, each a CUDA graph of launches over
     distinct KV copies (L2-cold), median us per launch. One JSON line per measurement; ``x_bound`` against the
     KV + q + out bytes at 4.3 TB/s; ``max_abs_err`` against the fp32 reference."""
     from perfkit.runtime.kv_cache import pool_specs
@@ -404,7 +362,6 @@ def _sweep_case(spec, b: int, kv_len: int, kv_dtype: str, tiles, programs_per_sm
     indptr_d = indptr.to(dev)
     indices = torch.arange(b * pages, dtype=torch.int32, device=dev)
     lens = torch.full((b,), n, dtype=torch.int32, device=dev)
-    counters = torch.zeros(b * spec.num_kv_heads, dtype=torch.int32, device=dev)  # fused_merge tiles
     bound_us = t["min_bytes"] / 4.3e6
     ref = paged_decode_attention_ref(q, caches[0], indices, indptr, lens, window=spec.window).float()
     rows = []
@@ -429,7 +386,7 @@ def _sweep_case(spec, b: int, kv_len: int, kv_dtype: str, tiles, programs_per_sm
 
             def run(c, splits=splits, tile=tile):
                 paged_decode_attention(q, c, indices, indptr_d, lens, window=spec.window, num_splits=splits, out=out,
-                                       counters=counters, **tile)  # fmt: skip
+                                       **tile)  # fmt: skip
 
             measure(run, "triton", splits=splits, programs_per_sm=pps, **tile)
     return rows

@@ -140,8 +140,6 @@ class FlashInferBackend:
         self._tri_meta = {p: PinnedStaging(2 * max_batch_size + 1, torch.int32, self.device) for p in kv_cache.specs}
         self._tri_indices = {p: torch.zeros(kv_cache.num_pages[p] + max_batch_size, dtype=torch.int32,
                                             device=self.device) for p in kv_cache.specs}  # fmt: skip
-        self._tri_counters = {p: torch.zeros(max_batch_size * s.num_kv_heads, dtype=torch.int32, device=self.device)
-                              for p, s in kv_cache.specs.items()}  # fmt: skip  (the fused merge's tickets)
 
     def tensor_cores(self, pool: str, batch_size: int) -> bool:
         if self.tensor_cores_flag is not None:
@@ -243,8 +241,7 @@ class FlashInferBackend:
         out = torch.empty_like(q)
         if isinstance(dec, TritonDecodePlan):
             paged_decode_attention(q[:nd], cache, dec.indices, dec.indptr, dec.kv_lens, window=dec.window,
-                                   k_scale=k_scale, v_scale=v_scale, num_splits=dec.num_splits, out=out[:nd],
-                                   counters=self._tri_counters[pool])  # fmt: skip
+                                   k_scale=k_scale, v_scale=v_scale, num_splits=dec.num_splits, out=out[:nd])  # fmt: skip
         elif dec is not None:
             dec.run(q[:nd], cache, out=out[:nd], **scales)
         if pre is not None:
