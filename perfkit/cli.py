@@ -355,6 +355,10 @@ def kernels_attention(
         typer.Option("--decode-impl", help="cuda_cores, tc_fa2, tc_fa3 (tensor cores through prefill kernels), triton"),
     ] = "cuda_cores,tc_fa2,tc_fa3,triton",
     prefill_impl: Annotated[str, typer.Option("--prefill-impl", help="fa2, fa3")] = "fa2,fa3",
+    triton_tiles: Annotated[
+        str,
+        typer.Option("--triton-tiles", help="Triton decode tiles, BLOCK_NxWARPSxPROGRAMS_PER_SM, e.g. 32x4x2,64x4x4"),
+    ] = "",
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="bf16 | fp8")] = "bf16",
     page_size: Annotated[int, typer.Option("--page-size", help="KV page size")] = 16,
     repeats: Annotated[int, typer.Option("--repeats", help="timed replays per case")] = 20,
@@ -364,7 +368,13 @@ def kernels_attention(
     """Decode (FlashInfer CUDA cores vs tensor cores vs perfkit's Triton split-KV) and prefill (FA2 vs FA3) at a
     model's pool shapes."""
     from perfkit.results import KernelRow, write_result
-    from perfkit.runners.attention_sweep import attention_cases, best_impls, run_attention_sweep
+    from perfkit.runners.attention_sweep import (
+        attention_cases,
+        best_impls,
+        impl_label,
+        parse_triton_tiles,
+        run_attention_sweep,
+    )
 
     if repeats < 1 or page_size < 1:
         raise PerfkitError("--repeats and --page-size must be >= 1")
@@ -372,6 +382,7 @@ def kernels_attention(
     rows = attention_cases(
         preset, split(pools), _int_list("--batch-sizes", batch_sizes), _int_list("--kv-lens", kv_lens),
         _int_list("--prefill-q-lens", prefill_q_lens), split(decode_impl), split(prefill_impl), kv_dtype,
+        triton_tiles=parse_triton_tiles(triton_tiles),
     )  # fmt: skip
     config = {"kernel": "attention", "preset": preset, "page_size": page_size, "repeats": repeats}
     result, path = _kernel_result("kernels-attention", label, config, out)
@@ -383,7 +394,7 @@ def kernels_attention(
         s = row["shape"]
         where = f"b{s['batch']} kv{s['kv_len']}" if "batch" in s else f"q{s['q_len']}"
         timing = f"{row['median_ms']:.4f} ms ({row['x_bound']:.2f}x bound)" if row["median_ms"] else row["message"]
-        con.print(f"  {row['kernel']} {s['pool']} {where} {row['impl']}: {row['status']} {timing}")
+        con.print(f"  {row['kernel']} {s['pool']} {where} {impl_label(row)}: {row['status']} {timing}")
 
     run_attention_sweep(rows, page_size, repeats, on_row=on_row)
     result.status = "complete"

@@ -10,7 +10,14 @@ from typer.testing import CliRunner
 
 from perfkit.cli import app
 from perfkit.errors import PerfkitError
-from perfkit.runners.attention_sweep import attention_cases, best_impls, decode_bytes, model_pools, prefill_flops
+from perfkit.runners.attention_sweep import (
+    attention_cases,
+    best_impls,
+    decode_bytes,
+    model_pools,
+    parse_triton_tiles,
+    prefill_flops,
+)
 
 
 def test_31b_pool_shapes_and_bounds_by_hand():
@@ -48,6 +55,21 @@ def test_best_impls_picks_the_fastest_ok_row():
     assert best_impls(rows) == {"decode sliding b1 kv1024": "tc_fa2"}
 
 
+def test_triton_tiles_give_one_row_each_and_name_the_winner():
+    tiles = parse_triton_tiles("32x4x2, 64x8x1")
+    assert tiles == [{"block_n": 32, "num_warps": 4, "programs_per_sm": 2},
+                     {"block_n": 64, "num_warps": 8, "programs_per_sm": 1}]  # fmt: skip
+    rows = attention_cases("26b-a4b", ["full"], [1], [1024], [], ["tc_fa2", "triton"], [], triton_tiles=tiles)
+    assert [(r["impl"], r.get("tile")) for r in rows] == [("tc_fa2", None), ("triton", tiles[0]), ("triton", tiles[1])]
+    for r, ms in zip(rows, [0.015, 0.019, 0.014], strict=True):
+        r["median_ms"] = ms
+    assert best_impls(rows) == {"decode full b1 kv1024": "triton 64x8x1"}
+    plain = attention_cases("26b-a4b", ["full"], [1], [1024], [], ["triton"], [])
+    assert len(plain) == 1 and "tile" not in plain[0]  # no tiles: the kernel's defaults
+    with pytest.raises(PerfkitError, match="keys are block_n, num_warps, programs_per_sm"):
+        attention_cases("26b-a4b", ["full"], [1], [1024], [], ["triton"], [], triton_tiles=[{"warps": 4}])
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -58,6 +80,7 @@ def test_best_impls_picks_the_fastest_ok_row():
         (["--kv-dtype", "fp4"], "--kv-dtype 'fp4'"),
         (["--batch-sizes", "a"], "--batch-sizes 'a': expected comma-separated integers"),
         (["--repeats", "0"], "--repeats and --page-size must be >= 1"),
+        (["--triton-tiles", "32x4"], "--triton-tiles '32x4': expected BLOCK_NxWARPSxPROGRAMS_PER_SM items"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message):

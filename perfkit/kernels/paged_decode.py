@@ -28,10 +28,7 @@ launch argument, not a compile-time constant, so any batch compiles the same two
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 
 import torch
 import triton
@@ -176,7 +173,10 @@ def _merge_splits_kernel(
 # Launcher
 # --------------------------------------------------------------------------------------------------------------
 
-DECODE_BLOCK_N = 32  # key rows per step (H200 sweep in the module's bench: see pick_block_n)
+# Tile and split defaults: within 5 % of the per-case best of the H200 sweep (docs/h200-runs/2026-12-03/
+# 2-decode_sweep.jsonl; `perfkit kernels attention --triton-tiles` repeats it) except the hd 512 pools at batch 1-2,
+# where 8 warps and 1 program per SM were faster (14.94 vs 18.97 us at 31B batch 1).
+DECODE_BLOCK_N = 32  # key rows per step
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 2
 DECODE_MAX_SPLITS = 64
@@ -309,115 +309,3 @@ def paged_decode_traffic(
         "flops": 4 * visible * num_heads * head_dim,
     }
 
-
-# --------------------------------------------------------------------------------------------------------------
-# Sweep (CUDA): tiles and split counts against FlashInfer's decode at a model's pool shapes
-# --------------------------------------------------------------------------------------------------------------
-
-SWEEP_TILES = [dict(block_n=bn, num_warps=w) for bn in (16, 32, 64) for w in (4, 8)]
-SWEEP_PROGRAMS_PER_SM = (1, 2, 4)
-L2_BYTES = 50 << 20  # H200: the copies of a case together exceed twice this, so every launch reads from DRAM
-
-
-def sweep(presets=("31b", "26b-a4b"), batches=(1, 2, 4, 8, 16, 32, 64), kv_len: int = 1024, kv_dtype: str = "bf16",
-          tiles=None, programs_per_sm=SWEEP_PROGRAMS_PER_SM, file=sys.stdout) -> list[dict]:  # fmt: skip
-    """Per (preset, pool, batch): FlashInfer's decode (CUDA cores and tensor cores; ``engine`` marks the one the
-    engine's rule picks) and this kernel over ``tiles`` x ``programs_per_sm``, each a CUDA graph of launches over
-    distinct KV copies (L2-cold), median us per launch. One JSON line per measurement; ``x_bound`` against the
-    KV + q + out bytes at 4.3 TB/s; ``max_abs_err`` against the fp32 reference."""
-    from perfkit.runtime.kv_cache import pool_specs
-    from perfkit.runtime.model_config import get_preset
-
-    rows: list[dict] = []
-    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-    for preset in presets:
-        for pool, spec in pool_specs(get_preset(preset).attn_layers()).items():
-            for b in batches:
-                base = {"preset": preset, "pool": pool, "batch": b, "kv_dtype": kv_dtype}
-                for r in _sweep_case(spec, b, kv_len, kv_dtype, tiles or SWEEP_TILES, programs_per_sm, workspace):
-                    rows.append({**base, **r})
-                    print(json.dumps(rows[-1]), file=file, flush=True)
-    return rows
-
-
-def _sweep_case(spec, b: int, kv_len: int, kv_dtype: str, tiles, programs_per_sm, workspace) -> list[dict]:
-    """One (pool, batch) of ``sweep``: every impl on the same q and KV copies."""
-    import flashinfer
-
-    from perfkit.kernels.launch import sm_count
-    from perfkit.kernels.timing import graph_ms
-    from perfkit.runtime.attention.flashinfer import default_use_tensor_cores, window_left
-
-    dev = torch.device("cuda")
-    kv_dt = FP8_DTYPE if kv_dtype == "fp8" else torch.bfloat16
-    n = min(kv_len, spec.window) if spec.window else kv_len
-    pages = math.ceil(n / 16)
-    t = paged_decode_traffic([n] * b, spec.num_heads, spec.num_kv_heads, spec.head_dim, kv_bytes=kv_dt.itemsize)
-    copies = max(1, math.ceil(2 * L2_BYTES / t["min_bytes"]))
-    shape = (b * pages, 2, 16, spec.num_kv_heads, spec.head_dim)
-    caches = [torch.randn(shape, device=dev).to(kv_dt) for _ in range(copies)]
-    q = torch.randn(b, spec.num_heads, spec.head_dim, device=dev, dtype=torch.bfloat16)
-    out = torch.empty_like(q)
-    indptr = torch.arange(0, (b + 1) * pages, pages, dtype=torch.int32)
-    indptr_d = indptr.to(dev)
-    indices = torch.arange(b * pages, dtype=torch.int32, device=dev)
-    lens = torch.full((b,), n, dtype=torch.int32, device=dev)
-    bound_us = t["min_bytes"] / 4.3e6
-    ref = paged_decode_attention_ref(q, caches[0], indices, indptr, lens, window=spec.window).float()
-    rows = []
-
-    def measure(run, impl: str, **extra) -> None:
-        us = graph_ms(lambda: [run(c) for c in caches]) * 1e3 / copies
-        run(caches[0])
-        err = (out.float() - ref).abs().max().item()
-        rows.append({"kv_len": n, "impl": impl, **extra, "us": round(us, 2), "bound_us": round(bound_us, 2),
-                     "x_bound": round(us / bound_us, 2), "max_abs_err": err})  # fmt: skip
-
-    for tc in (False, True):
-        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tc)
-        w.plan(indptr, indices, torch.full((b,), n - (pages - 1) * 16, dtype=torch.int32), spec.num_heads,
-               spec.num_kv_heads, spec.head_dim, 16, window_left=window_left(spec.window), sm_scale=1.0,
-               q_data_type=torch.bfloat16, kv_data_type=kv_dt)  # fmt: skip
-        engine = tc == default_use_tensor_cores(spec.num_heads, spec.num_kv_heads, b)
-        measure(lambda c, w=w: w.run(q, c, out=out), "flashinfer_tc" if tc else "flashinfer_cc", engine=engine)
-    for tile in tiles:
-        for pps in programs_per_sm:
-            splits = pick_splits(b, spec.num_kv_heads, sm_count(dev), spec.window, tile["block_n"], pps)
-
-            def run(c, splits=splits, tile=tile):
-                paged_decode_attention(q, c, indices, indptr_d, lens, window=spec.window, num_splits=splits, out=out,
-                                       **tile)  # fmt: skip
-
-            measure(run, "triton", splits=splits, programs_per_sm=pps, **tile)
-    return rows
-
-
-def _main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python3 -m perfkit.kernels.paged_decode", description="decode attention sweep")
-    ap.add_argument("--sweep", action="store_true", help="tiles and split counts vs FlashInfer's decode (CUDA)")
-    ap.add_argument("--presets", default="31b,26b-a4b")
-    ap.add_argument("--batches", default="1,2,4,8,16,32,64")
-    ap.add_argument("--kv-len", type=int, default=1024)
-    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
-    ap.add_argument("--default-tile", action="store_true", help="only the default tile and split rule")
-    args = ap.parse_args(argv)
-    if not args.sweep:
-        ap.print_help()
-        return 2
-    if not torch.cuda.is_available():
-        print("the sweep needs a CUDA GPU with flashinfer", file=sys.stderr)
-        return 2
-    try:
-        batches = tuple(int(x) for x in args.batches.split(","))
-    except ValueError:
-        print(f"--batches {args.batches!r}: comma-separated positive integers", file=sys.stderr)
-        return 2
-    default = [dict(block_n=DECODE_BLOCK_N, num_warps=DECODE_NUM_WARPS)]
-    sweep(tuple(args.presets.split(",")), batches, args.kv_len, args.kv_dtype,
-          tiles=default if args.default_tile else None,
-          programs_per_sm=(DECODE_PROGRAMS_PER_SM,) if args.default_tile else SWEEP_PROGRAMS_PER_SM)  # fmt: skip
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

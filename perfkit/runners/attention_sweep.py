@@ -8,7 +8,8 @@ Cases (``attention_cases``, pure: testable on a CPU):
 
 - decode, per (pool, batch, kv_len, impl): ``cuda_cores`` (FlashInfer's batch-decode kernel), ``tc_fa2`` /
   ``tc_fa3`` (``use_tensor_cores=True``: decode through the paged-prefill kernels of that backend), ``triton``
-  (perfkit's split-KV kernel, ``perfkit.kernels.paged_decode``, with the engine's split rule). A sliding pool
+  (perfkit's split-KV kernel, ``perfkit.kernels.paged_decode``, with the engine's split rule, or one row per
+  ``triton_tiles`` entry: block_n, num_warps, programs_per_sm, for tuning its defaults). A sliding pool
   only ever holds ``min(kv_len, window)`` keys per request (the engine frees pages that left the window), so
   that is what the case reads. Bound = bytes (KV read + q + out) / HBM bandwidth.
 - prefill, per (pool, q_len, impl in fa2 / fa3): one causal request of ``q_len`` new tokens (sliding: the window
@@ -32,6 +33,8 @@ from typing import Any
 
 from perfkit.capture.ranges import percentile
 from perfkit.errors import PerfkitError
+from perfkit.kernels.launch import sm_count
+from perfkit.kernels.paged_decode import DECODE_BLOCK_N, DECODE_PROGRAMS_PER_SM, paged_decode_attention, pick_splits
 from perfkit.runtime.attention.flashinfer import window_left
 from perfkit.runtime.kv_cache import PoolSpec, pool_specs
 from perfkit.runtime.model_config import get_preset
@@ -42,6 +45,7 @@ HBM_BYTES_PER_S = 4.3e12  # H200 achievable DRAM bandwidth
 MATMUL_FLOPS_PER_S = 790e12  # H200 bf16 dense matmul rate measured with cuBLAS (device README)
 L2_BYTES = 50 << 20  # H200 L2 (50 MiB): decode copies together exceed twice this
 KV_BYTES = {"bf16": 2, "fp8": 1}
+TRITON_TILE_KEYS = ("block_n", "num_warps", "programs_per_sm")
 
 
 def _check_impls(kind: str, impls: Sequence[str], allowed: Sequence[str]) -> None:
@@ -89,9 +93,14 @@ def attention_cases(
     kv_dtype: str = "bf16",
     hbm_bytes_s: float = HBM_BYTES_PER_S,
     matmul_flops_s: float = MATMUL_FLOPS_PER_S,
+    triton_tiles: Sequence[dict[str, int]] = (),
 ) -> list[dict[str, Any]]:
-    """One row per case with its shape and bound filled and the measurement fields empty."""
+    """One row per case with its shape and bound filled and the measurement fields empty; the triton impl once per
+    ``triton_tiles`` entry (its ``tile``), or once with the kernel's defaults when there are none."""
     _check_impls("decode", decode_impls, DECODE_IMPLS)
+    bad = [t for t in triton_tiles if set(t) - set(TRITON_TILE_KEYS)]
+    if bad:
+        raise PerfkitError(f"triton tile {bad[0]}: keys are {', '.join(TRITON_TILE_KEYS)}")
     _check_impls("prefill", prefill_impls, PREFILL_IMPLS)
     if kv_dtype not in KV_BYTES:
         raise PerfkitError(f"--kv-dtype {kv_dtype!r}: allowed values are {', '.join(KV_BYTES)}")
@@ -132,10 +141,13 @@ def attention_cases(
             for n in lens:
                 nbytes = decode_bytes(spec, b, n, KV_BYTES[kv_dtype])
                 for impl in decode_impls:
-                    r = row(spec, "decode", impl, {"batch": b, "kv_len": decode_kv_len(spec, n)},
-                            nbytes / hbm_bytes_s * 1e3)  # fmt: skip
-                    r["bytes"] = nbytes
-                    rows.append(r)
+                    for tile in (triton_tiles or [None]) if impl == "triton" else [None]:
+                        r = row(spec, "decode", impl, {"batch": b, "kv_len": decode_kv_len(spec, n)},
+                                nbytes / hbm_bytes_s * 1e3)  # fmt: skip
+                        r["bytes"] = nbytes
+                        if tile is not None:
+                            r["tile"] = dict(tile)
+                        rows.append(r)
         for q in prefill_q_lens:
             flops = prefill_flops(spec, q)
             for impl in prefill_impls:
@@ -174,15 +186,16 @@ def _decode_fn(fi, torch, row: dict[str, Any], spec: PoolSpec, page_size: int, w
     q = torch.randn(b, spec.num_heads, spec.head_dim, device=dev, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     if impl == "triton":
-        from perfkit.kernels.launch import sm_count
-        from perfkit.kernels.paged_decode import paged_decode_attention, pick_splits
-
         indptr_d, lens_d = indptr.to(dev), torch.full((b,), n, dtype=torch.int32, device=dev)
-        splits = pick_splits(b, spec.num_kv_heads, sm_count(dev), spec.window)
+        tile = row.get("tile", {})
+        splits = pick_splits(b, spec.num_kv_heads, sm_count(dev), spec.window, tile.get("block_n", DECODE_BLOCK_N),
+                             tile.get("programs_per_sm", DECODE_PROGRAMS_PER_SM))  # fmt: skip
         row["num_splits"] = splits
+        launch = {k: v for k, v in tile.items() if k != "programs_per_sm"}  # block_n, num_warps
 
         def run(c):
-            paged_decode_attention(q, c, indices, indptr_d, lens_d, window=spec.window, num_splits=splits, out=out)
+            paged_decode_attention(q, c, indices, indptr_d, lens_d, window=spec.window, num_splits=splits, out=out,
+                                   **launch)  # fmt: skip
     else:
         wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_tensor_cores=impl != "cuda_cores", backend="fa3" if impl == "tc_fa3" else "auto"
@@ -285,8 +298,28 @@ def run_attention_sweep(
     return rows
 
 
+def impl_label(row: dict[str, Any]) -> str:
+    """The impl, with the Triton tile when the row has one: 'triton 64x4x2' (block_n x num_warps x programs_per_sm)."""
+    tile = row.get("tile")
+    if not tile:
+        return row["impl"]
+    return f"{row['impl']} " + "x".join(str(tile.get(k, "-")) for k in TRITON_TILE_KEYS)
+
+
+def parse_triton_tiles(text: str) -> list[dict[str, int]]:
+    """``--triton-tiles 32x4x2,64x4x4`` -> [{block_n, num_warps, programs_per_sm}, ...]; PerfkitError otherwise."""
+    tiles = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        parts = item.split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise PerfkitError(f"--triton-tiles {text!r}: expected BLOCK_NxWARPSxPROGRAMS_PER_SM items, e.g. 32x4x2,64x4x4")
+        tiles.append(dict(zip(TRITON_TILE_KEYS, map(int, parts), strict=True)))
+    return tiles
+
+
 def best_impls(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
-    """Fastest ok impl per (phase, pool, batch / q_len, kv_len), as 'decode sliding b1 kv1024' -> 'tc_fa2'."""
+    """Fastest ok impl per (phase, pool, batch / q_len, kv_len), as 'decode sliding b1 kv1024' -> 'tc_fa2'
+    (``impl_label``: a Triton tile is part of the name)."""
     best: dict[str, tuple[float, str]] = {}
     for r in rows:
         if r["status"] != "ok" or r["median_ms"] is None:
@@ -297,5 +330,5 @@ def best_impls(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
         else:
             key = f"prefill {s['pool']} q{s['q_len']}"
         if key not in best or r["median_ms"] < best[key][0]:
-            best[key] = (r["median_ms"], r["impl"])
+            best[key] = (r["median_ms"], impl_label(r))
     return {k: v[1] for k, v in best.items()}
