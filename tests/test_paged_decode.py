@@ -57,6 +57,7 @@ CASES = [  # kv_lens, heads, kv heads, head_dim, page size, window, splits
     ([3, 70], 8, 8, 64, 8, 24, 7),  # group 1; more splits than the short row has blocks (empty slices)
     ([47], 4, 1, 64, 64, None, 2),  # page larger than BLOCK_N: one page spans several steps
     ([33, 16, 17], 6, 2, 32, 16, None, 64),  # group 3 (heads padded to 16 rows), 64 splits
+    ([300, 2], 4, 2, 256, 16, None, 40),  # two merge column blocks, splits past one merge load, empty slices
 ]
 
 
@@ -92,6 +93,19 @@ def test_splits_agree_with_each_other_and_ignore_pages_outside_the_table():
     assert torch.equal(again, outs[2])
 
 
+def test_merge_never_reads_an_empty_slice(monkeypatch):
+    """Empty slices write only their lse (-inf); their partials stay as allocated. Allocated as NaN here, the
+    output must still be finite and equal the reference."""
+    import perfkit.kernels.paged_decode as pd
+
+    real = pd._split_buffers
+    monkeypatch.setattr(pd, "_split_buffers", lambda *a: tuple(t.fill_(float("nan")) for t in real(*a)))
+    q, cache, ind, ptr, kl = make_case([3, 70, 1], 8, 2, 64, 16, seed=11)  # 3 and 1 keys: one live slice of 16
+    out = paged_decode_attention(q, cache, ind, ptr, kl, num_splits=16)
+    assert torch.isfinite(out.float()).all()
+    assert_close_to_ref(out, paged_decode_attention_ref(q, cache, ind, ptr, kl))
+
+
 def test_kernel_rejects_mismatched_inputs():
     q, cache, ind, ptr, kl = make_case([4], 4, 2, 64, 16)
     with pytest.raises(ValueError, match="does not fit"):
@@ -117,8 +131,10 @@ def test_traffic_counts_the_visible_keys_once():
     assert t["kv_bytes"] == 2 * visible * 16 * 256 * 2
     assert t["min_bytes"] == t["kv_bytes"] + 2 * 2 * 32 * 256 * 2
     assert t["flops"] == 4 * visible * 32 * 256
-    s = paged_decode_traffic([10], 8, 2, 64, num_splits=4, kv_bytes=1)
-    assert s["split_bytes"] == 2 * 8 * 4 * 65 * 4 and s["total_bytes"] == s["min_bytes"] + s["split_bytes"]
+    s = paged_decode_traffic([10], 8, 2, 64, num_splits=4, kv_bytes=1)  # one 32-row slice holds all 10 keys
+    assert s["split_bytes"] == 2 * 8 * (4 + 1 * 64) * 4 and s["total_bytes"] == s["min_bytes"] + s["split_bytes"]
+    f = paged_decode_traffic([1024], 32, 4, 512, num_splits=64)  # 31B full pool at batch 1: 32 live slices of 32
+    assert f["split_bytes"] == 2 * 32 * (64 + 32 * 512) * 4
 
 
 def test_toggle_values_and_auto_rule():
