@@ -58,6 +58,7 @@ CASES = [  # kv_lens, heads, kv heads, head_dim, page size, window, splits
     ([47], 4, 1, 64, 64, None, 2),  # page larger than BLOCK_N: one page spans several steps
     ([33, 16, 17], 6, 2, 32, 16, None, 64),  # group 3 (heads padded to 16 rows), 64 splits
     ([300, 2], 4, 2, 256, 16, None, 40),  # two merge column blocks, splits past one merge load, empty slices
+    ([40, 9, 33, 17, 64], 16, 2, 256, 16, None, 3),  # 5 x 16 (row, head) pairs: the merge takes whole heads
 ]
 
 

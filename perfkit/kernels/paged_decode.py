@@ -22,9 +22,10 @@ Stage 1, grid (B, kv_heads, splits): program (b, g, s) holds the GQA group's que
 softmax over its slice of the visible keys, BLOCK_N token rows at a time (a page is gathered row by row, so
 BLOCK_N need not divide the page size). Slices are whole BLOCK_N multiples of the visible span. With one split
 it writes the normalised output itself; otherwise its partial output (fp32, normalised by its own sum) and its
-log2-sum-exp (an empty slice writes only lse = -inf). Stage 2, grid (B, heads, head_dim / 128):
+log2-sum-exp (an empty slice writes only lse = -inf). Stage 2, grid (B, heads, column blocks):
 ``out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m)``, reading the splits 32 at a time. ``splits`` is a
-launch argument, not a compile-time constant, so any batch compiles the same two variants (direct / split).
+launch argument, not a compile-time constant, so any batch compiles the same two stage-1 variants (direct / split)
+and two merges (column blocks / whole heads).
 """
 
 from __future__ import annotations
@@ -194,8 +195,13 @@ DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 2
 DECODE_MAX_SPLITS = 64
 DECODE_PROGRAMS_PER_SM = 2  # splits fill about this many programs per SM (stage 1)
-MERGE_BLOCK_S = 32  # splits per load in the merge
-MERGE_BLOCK_D = 128  # output columns per merge program: hd 512 heads merge in 4 programs
+# The merge (docs/h200-runs/2026-12-04/1-merge_ab.jsonl, 2-merge_var.jsonl): 32 splits per load, against one scalar
+# load per split before, took the hd 512 pools at batch 1 from 18.7 to 11.6 us (31B); a head's columns spread over
+# D / 128 programs while there are few (row, head) pairs (batch 1-2: 11.6 vs 12.0 us at 31B full), whole heads above
+# (31B full batch 16: 53.1 vs 57.6 us).
+MERGE_BLOCK_S = 32  # splits per load
+MERGE_BLOCK_D = 128  # output columns per merge program while B x heads <= MERGE_COLUMN_SPLIT_MAX_ROWS
+MERGE_COLUMN_SPLIT_MAX_ROWS = 64
 
 
 def pick_splits(batch: int, num_kv_heads: int, sms: int, max_span: int | None, block_n: int = DECODE_BLOCK_N,
@@ -268,7 +274,7 @@ def paged_decode_attention(
         UPCAST=interpreting(), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if not direct:
-        block_d = min(D, MERGE_BLOCK_D)
+        block_d = min(D, MERGE_BLOCK_D) if B * H <= MERGE_COLUMN_SPLIT_MAX_ROWS else D
         _merge_splits_kernel[(B, H, D // block_d)](
             part, lse, out, out.stride(0), out.stride(1), num_splits, float(v_scale),
             HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=MERGE_BLOCK_S, num_warps=4,
