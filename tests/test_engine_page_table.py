@@ -72,6 +72,17 @@ def test_host_builder_slots_point_at_the_right_page():
             k += 1
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_host_builder_slot_tensors_start_16_byte_aligned(seed):
+    """Odd and even token counts alike: Triton specialises pointers on 16-byte alignment, so an unaligned
+    slot_offset would compile a second fused-qkv variant in the first mixed step."""
+    bm, state = random_state(seed)
+    t = HostPageTableBuilder(bm, "cpu", max_tokens=64, max_batch_size=64).build(state)
+    for pool in bm.pools:
+        assert t[pool].slot_page.data_ptr() % 16 == 0 and t[pool].slot_offset.data_ptr() % 16 == 0
+    assert {int(sum(random_state(s)[1].q_lens)) % 2 for s in range(6)} == {0, 1}  # both parities covered
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_sync_count_host_vs_padded():

@@ -166,15 +166,19 @@ class HostPageTableBuilder:
             flat = np.fromiter(chain(chain.from_iterable(pl.pages for pl in lists), [DUMMY_PAGE] * n_pad),
                                np.int32, nnz)  # fmt: skip
             slot_page = flat[indptr[req_of_tok] + pos // ps - firsts[req_of_tok]].astype(np.int64)
-            slots = self.slot_stage[pool].upload(np.concatenate([slot_page, pos % ps]))
+            # slot_offset starts on a 16-byte boundary whatever t is: Triton specialises a pointer on 16-byte
+            # alignment, so an odd t would give the fused qkv kernel a second variant that only eager mixed steps
+            # reach, compiled inside a measured window (H200 12-04 call 2: 2-4 compiles, up to 0.93 s, at c16)
             t = len(pos)
+            gap = t % 2
+            slots = self.slot_stage[pool].upload(np.concatenate([slot_page, np.zeros(gap, np.int64), pos % ps]))
             out[pool] = PoolTable(
                 indptr=torch.from_numpy(indptr.astype(np.int32)),
                 indices=self.idx_stage[pool].upload(flat),
                 last_page_len=torch.from_numpy(last.astype(np.int32)),
                 kv_lens=torch.from_numpy(kv_lens.astype(np.int32)),
                 slot_page=slots[:t],
-                slot_offset=slots[t : 2 * t],
+                slot_offset=slots[t + gap : 2 * t + gap],
             )
         return out
 

@@ -50,7 +50,10 @@ DECODE_KERNELS = ("auto", "flashinfer", "triton")
 # decode_attention=auto: the Triton kernel up to this many decode rows. H200 12-03 (configs/ab_decode_attention.yaml,
 # docs/h200-runs/2026-12-03/2-*), bf16, both kernels in one run, forward_decode device mean flashinfer -> triton:
 # 31B c1 17.18 -> 16.92 ms, c4 18.28 -> 17.72, c8 18.74 -> 18.60; 26B-A4B c1 3.888 -> 3.723, c4 6.334 -> 5.804,
-# c8 8.600 -> 8.273 (two repeats each within 0.01 ms, SM clocks within 0.7 %). Not timed in the engine above 8.
+# c8 8.600 -> 8.273 (two repeats each within 0.01 ms, SM clocks within 0.7 %). Above 8 it is no better
+# (12-04 call 2, docs/h200-runs/2026-12-04/2-*): 31B c16 20.91 -> 20.97 ms, c32 24.87 -> 24.26 with the triton arm's
+# SM clock 2.9 % higher; 26B-A4B c16 12.37 -> 12.32, c32 16.30 -> 16.26. With 12-04's merge, c1: 31B 17.03 -> 16.70,
+# 26B-A4B 3.907 -> 3.694 (12-04 call 4).
 TRITON_DECODE_MAX_BATCH = 8
 
 
