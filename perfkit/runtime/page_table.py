@@ -140,7 +140,7 @@ class HostPageTableBuilder:
         self.idx_stage = {
             p: PinnedStaging(n + max_batch_size, torch.int32, self.device) for p, n in bm.capacity.items()
         }
-        self.slot_stage = {p: PinnedStaging(2 * max_tokens, torch.int64, self.device) for p in bm.capacity}
+        self.slot_stage = {p: PinnedStaging(2 * max_tokens + 1, torch.int64, self.device) for p in bm.capacity}
 
     def build(self, state: BatchState, pad_to: int | None = None) -> dict[str, PoolTable]:
         ps = self.ps

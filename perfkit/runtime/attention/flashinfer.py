@@ -77,6 +77,19 @@ def default_use_tensor_cores(num_heads: int, num_kv_heads: int, batch_size: int)
     return num_heads // num_kv_heads >= 4 or batch_size <= TENSOR_CORE_MAX_BATCH
 
 
+def stage_decode_meta(indptr: np.ndarray, kv_lens: np.ndarray) -> tuple[np.ndarray, int]:
+    """The Triton decode's indptr [nd + 1] and kv lengths [nd] as one int32 array for one upload, and the offset of
+    the lengths in it: a multiple of 4 (16 bytes). Triton specialises a pointer on 16-byte alignment. With the lengths
+    right after indptr, graph captures (nd + 1 = 2, 3, 5, 9, 17, ...) saw them unaligned and eager mixed steps with
+    nd = 3 mod 4 aligned, so the first such step compiled the kernel again inside a measured window (H200 12-04
+    call 2: `_paged_decode_kernel` in forward_prefill, 0.37 s at c32)."""
+    off = -(-len(indptr) // 4) * 4
+    staged = np.zeros(off + len(kv_lens), np.int32)
+    staged[: len(indptr)] = indptr
+    staged[off:] = kv_lens
+    return staged, off
+
+
 def use_triton_decode(decode_kernel: str, batch_size: int) -> bool:
     """Which kernel runs a step's decode rows: ``decode_kernel`` itself, or for auto the Triton split-KV kernel up
     to TRITON_DECODE_MAX_BATCH rows (the latency-bound sizes) and FlashInfer's decode above."""
@@ -140,7 +153,7 @@ class FlashInferBackend:
         use_triton_decode(decode_kernel, 1)  # validates the value
         self.decode_kernel = decode_kernel  # toggle decode_attention
         # the Triton decode's device metadata: fixed addresses (graphs), sized for the engine's largest batch
-        self._tri_meta = {p: PinnedStaging(2 * max_batch_size + 1, torch.int32, self.device) for p in kv_cache.specs}
+        self._tri_meta = {p: PinnedStaging(2 * max_batch_size + 4, torch.int32, self.device) for p in kv_cache.specs}
         self._tri_indices = {p: torch.zeros(kv_cache.num_pages[p] + max_batch_size, dtype=torch.int32,
                                             device=self.device) for p in kv_cache.specs}  # fmt: skip
 
@@ -178,14 +191,15 @@ class FlashInferBackend:
         """Upload the decode rows' indptr and kv lengths (one async copy from pinned staging; no sync) and, for a
         graph replay, copy their page indices into the fixed buffer the captured launch reads."""
         spec = self.kv.specs[pool]
-        dev = self._tri_meta[pool].upload(np.concatenate([pt.indptr[: nd + 1].numpy(), pt.kv_lens[:nd].numpy()]))
+        staged, off = stage_decode_meta(pt.indptr[: nd + 1].numpy(), pt.kv_lens[:nd].numpy())
+        dev = self._tri_meta[pool].upload(staged)
         nnz = int(pt.indptr[nd])
         indices = pt.indices[:nnz]
         if graph:
             self._tri_indices[pool][:nnz].copy_(indices, non_blocking=True)
             indices = self._tri_indices[pool]
         splits = pick_splits(nd, spec.num_kv_heads, sm_count(self.device), spec.window)
-        return TritonDecodePlan(indices, dev[: nd + 1], dev[nd + 1 : 2 * nd + 1], splits, spec.window)
+        return TritonDecodePlan(indices, dev[: nd + 1], dev[off : off + nd], splits, spec.window)
 
     def _plan(self, wrapper, fn, *args, **kw) -> None:
         ev = self._events.get(id(wrapper))
