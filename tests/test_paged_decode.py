@@ -101,7 +101,7 @@ def test_merge_never_reads_an_empty_slice(monkeypatch):
 
     real = pd._split_buffers
     monkeypatch.setattr(pd, "_split_buffers", lambda *a: tuple(t.fill_(float("nan")) for t in real(*a)))
-    q, cache, ind, ptr, kl = make_case([3, 70, 1], 8, 2, 64, 16, seed=11)  # 3 and 1 keys: one live slice of 16
+    q, cache, ind, ptr, kl = make_case([3, 70, 1], 8, 2, 64, 16, seed=11)  # rows of 3 and 1 keys: 1 live slice, 15 empty
     out = paged_decode_attention(q, cache, ind, ptr, kl, num_splits=16)
     assert torch.isfinite(out.float()).all()
     assert_close_to_ref(out, paged_decode_attention_ref(q, cache, ind, ptr, kl))
