@@ -152,6 +152,38 @@ def test_staged_decode_meta_puts_the_lengths_on_a_16_byte_boundary():
         assert (staged[: nd + 1] == indptr).all() and (staged[off : off + nd] == lens).all()
 
 
+def test_backend_triton_plan_stages_aligned_lengths_without_growing(monkeypatch):
+    """The FlashInfer backend's Triton decode plan (needs no flashinfer itself): for every decode batch up to the
+    engine's maximum, eager and graph plans hand the kernel the step's indptr and kv lengths, both 16-byte aligned,
+    from a staging buffer that never grows (a graph captures its address)."""
+    import types
+
+    import numpy as np
+
+    import perfkit.runtime.attention.flashinfer as F
+    from perfkit.runtime.page_table import PinnedStaging, PoolTable
+
+    monkeypatch.setattr(F, "sm_count", lambda device: 132)
+    max_batch, cpu = 8, torch.device("cpu")
+    stage = PinnedStaging(2 * max_batch + 4, torch.int32, cpu)  # the backend's size
+    backend = types.SimpleNamespace(
+        kv=types.SimpleNamespace(specs={"sliding": types.SimpleNamespace(num_kv_heads=16, window=1024)}),
+        device=cpu, _tri_meta={"sliding": stage}, _tri_indices={"sliding": torch.zeros(64, dtype=torch.int32)},
+    )  # fmt: skip
+    dev_before = stage.dev
+    for nd in range(1, max_batch + 1):
+        indptr = np.concatenate([[0], np.cumsum(np.arange(1, nd + 1))]).astype(np.int32)
+        pt = PoolTable(indptr=torch.from_numpy(indptr), indices=torch.arange(int(indptr[-1]), dtype=torch.int32),
+                       last_page_len=torch.ones(nd, dtype=torch.int32), kv_lens=torch.arange(nd, dtype=torch.int32) + 50,
+                       slot_page=torch.zeros(nd, dtype=torch.long), slot_offset=torch.zeros(nd, dtype=torch.long))  # fmt: skip
+        for graph in (False, True):
+            plan = F.FlashInferBackend._triton_decode_plan(backend, "sliding", pt, nd, graph)
+            assert torch.equal(plan.indptr, pt.indptr) and torch.equal(plan.kv_lens, pt.kv_lens)
+            assert plan.indptr.data_ptr() % 16 == 0 and plan.kv_lens.data_ptr() % 16 == 0
+            assert torch.equal(plan.indices[: int(indptr[-1])], pt.indices)
+    assert stage.dev is dev_before
+
+
 def test_toggle_values_and_auto_rule():
     from perfkit.config import TOGGLES, Toggles
     from perfkit.runtime.attention.flashinfer import TRITON_DECODE_MAX_BATCH, use_triton_decode
