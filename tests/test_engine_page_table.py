@@ -83,6 +83,25 @@ def test_host_builder_slot_tensors_start_16_byte_aligned(seed):
     assert {int(sum(random_state(s)[1].q_lens)) % 2 for s in range(6)} == {0, 1}  # both parities covered
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_upload_parts_start_each_part_on_16_bytes(dtype):
+    """Any lengths: every part's view starts on a 16-byte boundary, holds exactly its array, and the padding is
+    at most 16 / itemsize - 1 elements per part (the staging sizes of the page tables and the Triton decode)."""
+    from perfkit.runtime.page_table import PinnedStaging
+
+    np_dtype = np.int32 if dtype == torch.int32 else np.int64
+    pad = 16 // torch.tensor([], dtype=dtype).element_size() - 1
+    for n in range(1, 40):
+        parts = [np.arange(n + 1, dtype=np_dtype) * 3, np.arange(n, dtype=np_dtype) + 100, np.arange(n % 3, dtype=np_dtype)]
+        stage = PinnedStaging(sum(len(p) for p in parts) + pad * (len(parts) - 1), dtype, torch.device("cpu"))
+        dev_before = stage.dev
+        views = stage.upload_parts(parts)
+        assert stage.dev is dev_before  # fits without growing
+        for view, part in zip(views, parts, strict=True):
+            assert view.data_ptr() % 16 == 0 and view.dtype == dtype
+            assert np.array_equal(view.numpy(), part)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_sync_count_host_vs_padded():

@@ -138,20 +138,6 @@ def test_traffic_counts_the_visible_keys_once():
     assert f["split_bytes"] == 2 * 32 * (64 + 32 * 512) * 4
 
 
-def test_staged_decode_meta_puts_the_lengths_on_a_16_byte_boundary():
-    import numpy as np
-
-    from perfkit.runtime.attention.flashinfer import stage_decode_meta
-
-    for nd in range(1, 70):
-        indptr = np.arange(nd + 1, dtype=np.int32) * 3
-        lens = np.arange(nd, dtype=np.int32) + 100
-        staged, off = stage_decode_meta(indptr, lens)
-        assert off % 4 == 0 and off >= nd + 1 and off + nd <= 2 * nd + 4  # fits the backend's 2 * max_batch + 4
-        assert staged.dtype == np.int32
-        assert (staged[: nd + 1] == indptr).all() and (staged[off : off + nd] == lens).all()
-
-
 def test_backend_triton_plan_stages_aligned_lengths_without_growing(monkeypatch):
     """The FlashInfer backend's Triton decode plan (needs no flashinfer itself): for every decode batch up to the
     engine's maximum, eager and graph plans hand the kernel the step's indptr and kv lengths, both 16-byte aligned,

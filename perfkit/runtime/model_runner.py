@@ -59,7 +59,7 @@ class ModelRunner:
         self.mask_impl = "triton"  # toggle mask
         self.mm_embed_cache = True  # toggle mm_embed_cache
         self.graphs = None  # DecodeGraphs when cuda_graphs=on and the backend supports them
-        self.tok_stage = PinnedStaging(3 * max_num_tokens + 4096, torch.int64, self.device)  # + graph padding, fixes
+        self.tok_stage = PinnedStaging(3 * max_num_tokens + 4096, torch.int64, self.device)  # + graph padding, fixes, alignment
         self._mm_cache: dict[int, torch.Tensor] = {}
         self._placeholder_ids = np.array([cfg.image_token_id, cfg.video_token_id])
         self.num_encoder_calls = 0
@@ -105,12 +105,11 @@ class ModelRunner:
             ids[dst] = prev_ids.cpu().numpy()[src]
             dst = src = dst[:0]
         ids[dst] = 0
-        dev = self.tok_stage.upload(np.concatenate([ids, positions, logits_idx, dst, src]))
-        input_ids = dev[:t]
+        input_ids, positions_d, logits_indices, dst_d, src_d = self.tok_stage.upload_parts(
+            [ids, positions, logits_idx, dst, src]
+        )
         if len(dst):
-            n_fix = len(dst)
-            tail = dev[2 * t + len(logits_idx) :]
-            input_ids.index_copy_(0, tail[:n_fix], prev_ids.index_select(0, tail[n_fix:]))
+            input_ids.index_copy_(0, dst_d, prev_ids.index_select(0, src_d))
 
         meta = AttentionMetadata(
             num_tokens=t,
@@ -122,8 +121,8 @@ class ModelRunner:
         )
         return StepInputs(
             input_ids=input_ids,
-            positions=dev[t : 2 * t],
-            logits_indices=dev[2 * t : 2 * t + len(logits_idx)],
+            positions=positions_d,
+            logits_indices=logits_indices,
             meta=meta,
             mm_embeds=mm_embeds,
             sample_reqs=[chunks[i].req for i in sampling],

@@ -89,6 +89,7 @@ class PinnedStaging:
 
     `upload(arr)` writes `arr` into the next staging buffer (after waiting for the event of the copy that last
     read it), issues one non-blocking H2D copy and records an event. Returns a view of the device buffer.
+    `upload_parts(parts)` does the same for several arrays at once, each starting on a 16-byte boundary.
     """
 
     def __init__(self, size: int, dtype: torch.dtype, device: torch.device):
@@ -120,6 +121,25 @@ class PinnedStaging:
             self.recorded[k] = True
         return out
 
+    def upload_parts(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
+        """Several arrays in one upload, one device view each, every view starting on a 16-byte boundary (up to
+        16 / itemsize - 1 elements of padding before each part after the first). Why aligned: Triton specialises a
+        pointer argument on 16-byte alignment, so a part whose alignment followed the lengths before it would give
+        eager steps and graph captures different kernel variants, compiled inside a measured window (H200 12-04
+        call 2: the fused qkv kernel's slot offsets, 2-4 compiles of up to 0.93 s at c16; the Triton decode's kv
+        lengths, 0.37 s at c32)."""
+        step = max(1, 16 // self.dev.element_size())
+        offsets, n = [], 0
+        for part in parts:
+            n = -(-n // step) * step
+            offsets.append(n)
+            n += len(part)
+        staged = np.zeros(n, dtype=self.host[0].numpy().dtype)
+        for part, off in zip(parts, offsets, strict=True):
+            staged[off : off + len(part)] = part
+        dev = self.upload(staged)
+        return [dev[off : off + len(part)] for part, off in zip(parts, offsets, strict=True)]
+
 
 def _with_dummies(state: BatchState, pad_to: int | None) -> tuple[np.ndarray, np.ndarray, int]:
     n_pad = 0 if pad_to is None else pad_to - len(state.req_ids)
@@ -140,6 +160,7 @@ class HostPageTableBuilder:
         self.idx_stage = {
             p: PinnedStaging(n + max_batch_size, torch.int32, self.device) for p, n in bm.capacity.items()
         }
+        # + 1 for the slot offsets' 16-byte start (upload_parts)
         self.slot_stage = {p: PinnedStaging(2 * max_tokens + 1, torch.int64, self.device) for p in bm.capacity}
 
     def build(self, state: BatchState, pad_to: int | None = None) -> dict[str, PoolTable]:
@@ -166,19 +187,14 @@ class HostPageTableBuilder:
             flat = np.fromiter(chain(chain.from_iterable(pl.pages for pl in lists), [DUMMY_PAGE] * n_pad),
                                np.int32, nnz)  # fmt: skip
             slot_page = flat[indptr[req_of_tok] + pos // ps - firsts[req_of_tok]].astype(np.int64)
-            # slot_offset starts on a 16-byte boundary whatever t is: Triton specialises a pointer on 16-byte
-            # alignment, so an odd t would give the fused qkv kernel a second variant that only eager mixed steps
-            # reach, compiled inside a measured window (H200 12-04 call 2: 2-4 compiles, up to 0.93 s, at c16)
-            t = len(pos)
-            gap = t % 2
-            slots = self.slot_stage[pool].upload(np.concatenate([slot_page, np.zeros(gap, np.int64), pos % ps]))
+            slot_page_d, slot_offset_d = self.slot_stage[pool].upload_parts([slot_page, pos % ps])
             out[pool] = PoolTable(
                 indptr=torch.from_numpy(indptr.astype(np.int32)),
                 indices=self.idx_stage[pool].upload(flat),
                 last_page_len=torch.from_numpy(last.astype(np.int32)),
                 kv_lens=torch.from_numpy(kv_lens.astype(np.int32)),
-                slot_page=slots[:t],
-                slot_offset=slots[t + gap : 2 * t + gap],
+                slot_page=slot_page_d,
+                slot_offset=slot_offset_d,
             )
         return out
 

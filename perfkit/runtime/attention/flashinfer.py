@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from perfkit.errors import PerfkitError
@@ -75,19 +74,6 @@ def default_use_tensor_cores(num_heads: int, num_kv_heads: int, batch_size: int)
     vs 49.6, b64 267 vs 284 us; 26B b16 42.5 vs 46.6 us). (flashinfer.md's rule of thumb was the group alone.)
     """
     return num_heads // num_kv_heads >= 4 or batch_size <= TENSOR_CORE_MAX_BATCH
-
-
-def stage_decode_meta(indptr: np.ndarray, kv_lens: np.ndarray) -> tuple[np.ndarray, int]:
-    """The Triton decode's indptr [nd + 1] and kv lengths [nd] as one int32 array for one upload, and the offset of
-    the lengths in it: a multiple of 4 (16 bytes). Triton specialises a pointer on 16-byte alignment. With the lengths
-    right after indptr, graph captures (nd + 1 = 2, 3, 5, 9, 17, ...) saw them unaligned and eager mixed steps with
-    nd = 3 mod 4 aligned, so the first such step compiled the kernel again inside a measured window (H200 12-04
-    call 2: `_paged_decode_kernel` in forward_prefill, 0.37 s at c32)."""
-    off = -(-len(indptr) // 4) * 4
-    staged = np.zeros(off + len(kv_lens), np.int32)
-    staged[: len(indptr)] = indptr
-    staged[off:] = kv_lens
-    return staged, off
 
 
 def use_triton_decode(decode_kernel: str, batch_size: int) -> bool:
@@ -152,7 +138,8 @@ class FlashInferBackend:
         self._active: dict[str, tuple] = {}  # pool -> (decode wrapper | TritonDecodePlan | None, prefill wrapper | None)
         use_triton_decode(decode_kernel, 1)  # validates the value
         self.decode_kernel = decode_kernel  # toggle decode_attention
-        # the Triton decode's device metadata: fixed addresses (graphs), sized for the engine's largest batch
+        # the Triton decode's device metadata: fixed addresses (graphs), sized for the engine's largest batch, + 3
+        # for the lengths' 16-byte start (upload_parts)
         self._tri_meta = {p: PinnedStaging(2 * max_batch_size + 4, torch.int32, self.device) for p in kv_cache.specs}
         self._tri_indices = {p: torch.zeros(kv_cache.num_pages[p] + max_batch_size, dtype=torch.int32,
                                             device=self.device) for p in kv_cache.specs}  # fmt: skip
@@ -191,15 +178,14 @@ class FlashInferBackend:
         """Upload the decode rows' indptr and kv lengths (one async copy from pinned staging; no sync) and, for a
         graph replay, copy their page indices into the fixed buffer the captured launch reads."""
         spec = self.kv.specs[pool]
-        staged, off = stage_decode_meta(pt.indptr[: nd + 1].numpy(), pt.kv_lens[:nd].numpy())
-        dev = self._tri_meta[pool].upload(staged)
+        indptr, kv_lens = self._tri_meta[pool].upload_parts([pt.indptr[: nd + 1].numpy(), pt.kv_lens[:nd].numpy()])
         nnz = int(pt.indptr[nd])
         indices = pt.indices[:nnz]
         if graph:
             self._tri_indices[pool][:nnz].copy_(indices, non_blocking=True)
             indices = self._tri_indices[pool]
         splits = pick_splits(nd, spec.num_kv_heads, sm_count(self.device), spec.window)
-        return TritonDecodePlan(indices, dev[: nd + 1], dev[off : off + nd], splits, spec.window)
+        return TritonDecodePlan(indices, indptr, kv_lens, splits, spec.window)
 
     def _plan(self, wrapper, fn, *args, **kw) -> None:
         ev = self._events.get(id(wrapper))
