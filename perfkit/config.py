@@ -95,6 +95,14 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "merge of the splits (triton); auto = triton up to TRITON_DECODE_MAX_BATCH decode rows, flashinfer above; "
         "no effect with attention=torch",
     ),
+    "decode_gemv": (
+        ("auto", "cublas", "triton"),
+        "auto",
+        "batch-1 decode's bf16 / fp16 linears (one row of x) on the fused path: cuBLAS (cublas) vs perfkit's Triton "
+        "gemv, which streams each weight row once with no split-K (triton); auto = per weight shape, whichever was "
+        "faster when the engine timed both on the model's own weights at start (CUDA only; the timings go into the "
+        "result's runtime.decode_gemv); no effect with fused_kernels off or on quantised linears",
+    ),
     "attention": (
         ("auto", "flashinfer", "torch"),
         "auto",
@@ -132,6 +140,7 @@ class Toggles(BaseModel):
     moe_gather: Literal["gemv", "kernels"] = "kernels"
     moe_prefill: Literal["auto", "quantized", "dequant"] = "auto"
     decode_attention: Literal["auto", "flashinfer", "triton"] = "auto"
+    decode_gemv: Literal["auto", "cublas", "triton"] = "auto"
     attention: Literal["auto", "flashinfer", "torch"] = "auto"
 
     @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", mode="before")
@@ -155,6 +164,7 @@ class PartialToggles(BaseModel):
     moe_gather: Literal["gemv", "kernels"] | None = None
     moe_prefill: Literal["auto", "quantized", "dequant"] | None = None
     decode_attention: Literal["auto", "flashinfer", "triton"] | None = None
+    decode_gemv: Literal["auto", "cublas", "triton"] | None = None
     attention: Literal["auto", "flashinfer", "torch"] | None = None
 
     @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", mode="before")

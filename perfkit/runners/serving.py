@@ -164,6 +164,7 @@ class ServingTarget:
             "encoder_calls": st.encoder_calls,
             "kv_dtype": st.kv_dtype,
             "kv_scales": st.kv_scales,
+            "decode_gemv": st.decode_gemv,
             "setup_s": self.setup_s,
             "quant": self.quant,
             "tp": self.tp_summary,
@@ -364,6 +365,7 @@ def load_target(
         moe_gather=toggles.moe_gather,
         moe_prefill=toggles.moe_prefill,
         decode_attention=toggles.decode_attention,
+        decode_gemv=toggles.decode_gemv,
         decode_use_tensor_cores=None if rt.decode_tensor_cores == "auto" else rt.decode_tensor_cores == "on",
         seed=mcfg.seed,
     )

@@ -13,6 +13,8 @@ Toggles (settable on a live engine with `set_toggle`; both arms of every toggle 
   attention=flashinfer|torch   page_table=host|padded   mask=triton|dense   mm_embed_cache=on|off
   cuda_graphs=on|off (decode graphs; only with a backend that supports them, i.e. flashinfer)   overlap=on|off
   decode_attention=auto|flashinfer|triton (the decode rows' kernel under attention=flashinfer; rounding-level)
+  decode_gemv=auto|cublas|triton (batch-1 decode's linears on the fused path: cuBLAS or perfkit's gemv;
+  rounding-level)
 Three toggles change the arithmetic's order, so their arms agree to rounding rather than bit for bit:
   fused_kernels=on|off   moe_gather=gemv|kernels (NVFP4 experts at decode sizes; no effect on other models)
   moe_prefill=auto|quantized|dequant (NVFP4 / FP8 experts at prefill sizes; no effect on other models)
@@ -50,6 +52,7 @@ TOGGLES = {
     "moe_gather": ("gemv", "kernels"),
     "moe_prefill": ("auto", "quantized", "dequant"),
     "decode_attention": ("auto", "flashinfer", "triton"),
+    "decode_gemv": ("auto", "cublas", "triton"),
 }
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}  # fmt: skip
@@ -79,6 +82,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # override: KV budget in bytes (before the split between pools)
     decode_use_tensor_cores: bool | None = None  # flashinfer decode; None = by pool and batch (measured rule)
     decode_attention: str = "auto"  # auto | flashinfer | triton: the decode rows' kernel (attention=flashinfer)
+    decode_gemv: str = "cublas"  # auto | cublas | triton: one-row linears (Gemma4ForCausalLM.set_decode_gemv)
     workspace_bytes: int = 256 << 20  # flashinfer float workspace, shared by every wrapper
     seed: int = 0  # sampling generators
 
@@ -121,6 +125,7 @@ class EngineStats:
     encoder_calls: int = 0
     kv_dtype: str = ""  # e.g. "bfloat16", "float8_e4m3fn"
     kv_scales: dict = field(default_factory=dict)  # fp8 only: KVScales.summary() (method, min/max over layers)
+    decode_gemv: dict = field(default_factory=dict)  # Gemma4ForCausalLM.set_decode_gemv's summary (auto: timings)
 
 
 class Engine:
@@ -154,6 +159,7 @@ class Engine:
         self._pending: _Launched | None = None  # overlap: the previous step, its ids not yet on the host
         self._validate_toggles(ec)
         model.set_fused(ec.fused_kernels)
+        self._gemv = model.set_decode_gemv(ec.decode_gemv)  # after set_fused: the merged shapes
         model.set_moe_gather(ec.moe_gather)
         model.set_moe_prefill(ec.moe_prefill)
         if model.rope is None or model.rope.max_positions < ec.max_model_len:
@@ -163,7 +169,7 @@ class Engine:
     # ---- construction ----------------------------------------------------------------------------------------
     @staticmethod
     def _validate_toggles(ec: EngineConfig) -> None:
-        for name in ("attention", "page_table", "mask", "moe_gather", "moe_prefill", "decode_attention"):
+        for name in ("attention", "page_table", "mask", "moe_gather", "moe_prefill", "decode_attention", "decode_gemv"):
             if getattr(ec, name) not in TOGGLES[name]:
                 raise PerfkitError(f"{name}={getattr(ec, name)!r}; allowed: {', '.join(TOGGLES[name])}")
 
@@ -305,6 +311,7 @@ class Engine:
         elif name == "fused_kernels" and on != self.ec.fused_kernels:
             self.ec = replace(self.ec, fused_kernels=on)
             self.model.set_fused(on)
+            self._gemv = self.model.set_decode_gemv(self.ec.decode_gemv)  # merging changed the shapes
             self._graphs = None  # captured graphs replay the other path: capture again
             self._sync_graphs()
         elif name == "moe_gather" and value != self.ec.moe_gather:
@@ -320,6 +327,11 @@ class Engine:
                 if self._graphs is not None and self._graphs.backend is fi:
                     self._graphs = None  # the captured graphs launch the other decode kernel: capture again
                     self._sync_graphs()
+        elif name == "decode_gemv" and value != self.ec.decode_gemv:
+            self.ec = replace(self.ec, decode_gemv=value)
+            self._gemv = self.model.set_decode_gemv(value)  # auto times each shape once per model
+            self._graphs = None  # the batch-1 graph launches the other GEMMs: capture again
+            self._sync_graphs()
         elif name == "moe_prefill" and value != self.ec.moe_prefill:  # prefill runs eagerly: no graph to redo
             self.ec = replace(self.ec, moe_prefill=value)
             self.model.set_moe_prefill(value)
@@ -332,6 +344,7 @@ class Engine:
             "fused_kernels": "on" if ec.fused_kernels else "off",
             "nvtx": "on" if self.ranges is self._recorder else "off", "overlap": "on" if ec.overlap else "off",
             "moe_gather": ec.moe_gather, "moe_prefill": ec.moe_prefill, "decode_attention": ec.decode_attention,
+            "decode_gemv": ec.decode_gemv,
         }  # fmt: skip
 
     # ---- requests --------------------------------------------------------------------------------------------
@@ -475,6 +488,7 @@ class Engine:
             encoder_calls=self.runner.num_encoder_calls,
             kv_dtype=str(self.kv_dtype).removeprefix("torch."),
             kv_scales=self.kv_scales.summary() if self.kv_scales is not None else {},
+            decode_gemv=self._gemv,
         )
 
 

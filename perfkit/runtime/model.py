@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
+from types import MappingProxyType, SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -54,9 +54,10 @@ from perfkit.runtime.model_config import Gemma4Config
 @functools.cache
 def _kernels() -> SimpleNamespace:
     """The fused Triton ops, imported on first use (TRITON_INTERPRET must be set before this on CPU)."""
-    from perfkit.kernels import gelu_mul, moe, qk_norm_rope, rmsnorm
+    from perfkit.kernels import gelu_mul, gemv, moe, qk_norm_rope, rmsnorm
 
     return SimpleNamespace(
+        gemv=gemv.gemv,
         rmsnorm=rmsnorm.rmsnorm,
         sandwich=rmsnorm.sandwich_rmsnorm,
         gelu_mul=gelu_mul.gelu_mul,
@@ -89,6 +90,33 @@ class MergedRows:
             if m is not pm or m._parameters.get("weight") is not pw or pw.data_ptr() != ptr:
                 return False
         return True
+
+
+# (N, K, dtype) of a plain weight -> the gemv tile its one-row products take (set by set_decode_gemv); empty = cuBLAS
+GemvTiles = Mapping[tuple[int, int, torch.dtype], object]
+NO_GEMV: GemvTiles = MappingProxyType({})
+
+
+def _plain_weight(lin) -> Tensor | None:
+    """The [N, K] weight of a bias-free nn.Linear or of merged rows; None for anything else (quantised, TP)."""
+    if isinstance(lin, MergedRows) or (type(lin) is nn.Linear and lin.bias is None):
+        return lin.weight
+    return None
+
+
+def _gemv_tile(x: Tensor, w: Tensor | None, tiles: GemvTiles):
+    """The gemv tile for x @ w^T when x is one row (batch-1 decode) and w's shape has one in `tiles`; else None."""
+    if not tiles or w is None or x.shape[0] != 1 or x.dtype != w.dtype or x.stride(1) != 1:
+        return None
+    return tiles.get((w.shape[0], w.shape[1], w.dtype))
+
+
+def linear(x: Tensor, lin, tiles: GemvTiles) -> Tensor:
+    """lin(x) on the fused path, through the Triton gemv (perfkit/kernels/gemv.py) instead of cuBLAS when
+    `_gemv_tile` has a tile for it."""
+    w = _plain_weight(lin) if tiles else None
+    tile = _gemv_tile(x, w, tiles)
+    return lin(x) if tile is None else _kernels().gemv(x, w, tile)
 
 
 def merge_linear_rows(linears: Sequence[nn.Module]) -> MergedRows | None:
@@ -204,6 +232,7 @@ class RopeTables:
 
 class Gemma4MLP(nn.Module):
     fused = False
+    gemv_tiles: GemvTiles = NO_GEMV  # set by Gemma4ForCausalLM.set_decode_gemv
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -228,17 +257,24 @@ class Gemma4MLP(nn.Module):
             self.gate_up = None
         return None if self.gate_up is None else self.gate_up.weight
 
+    def decode_linears(self) -> list:
+        """The linears (or merged rows) the fused forward multiplies by."""
+        if self.merged_weight() is not None:
+            return [self.gate_up, self.down_proj]
+        return [*self._linears(), self.down_proj]
+
     def forward(self, x: Tensor) -> Tensor:  # [T, H] -> [T, H]
         if self.fused:
-            K, w = _kernels(), self.merged_weight()
+            K, w, t = _kernels(), self.merged_weight(), self.gemv_tiles
             if w is not None:  # one GEMM -> [T, 2I], gelu_mul reads the two strided halves
-                return self.down_proj(K.gelu_mul_cat(self.gate_up(x)))
-            return self.down_proj(K.gelu_mul(self.gate_proj(x), self.up_proj(x)))
+                return linear(K.gelu_mul_cat(linear(x, self.gate_up, t)), self.down_proj, t)
+            return linear(K.gelu_mul(linear(x, self.gate_proj, t), linear(x, self.up_proj, t)), self.down_proj, t)
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Gemma4Attention(nn.Module):
     fused = False
+    gemv_tiles: GemvTiles = NO_GEMV  # set by Gemma4ForCausalLM.set_decode_gemv
 
     def __init__(self, cfg: Gemma4Config, layer: AttnLayer):
         super().__init__()
@@ -277,6 +313,14 @@ class Gemma4Attention(nn.Module):
             self.qkv = None
         return None if self.qkv is None else self.qkv.weight
 
+    def decode_linears(self) -> list:
+        """The linears (or merged rows) the fused forward multiplies by."""
+        if not self.layer.writes_kv:
+            return [self.q_proj, self.o_proj]
+        if self.merged_weight() is not None:
+            return [self.qkv, self.o_proj]
+        return [*self._linears(), self.o_proj]
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
         if self.fused:
             return self.forward_fused(x, cos, sin, attn)
@@ -294,23 +338,24 @@ class Gemma4Attention(nn.Module):
     def forward_fused(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
         """One qkv GEMM (merged weight; separate GEMMs when not merged) and one qkv_norm_rope launch for q, k, v,
         K/V written straight into the backend's cache when it offers a target. KV-shared layers: q only."""
-        K, T, la = _kernels(), x.shape[0], self.layer
+        K, T, la, t = _kernels(), x.shape[0], self.layer, self.gemv_tiles
         hd = la.head_dim
         if not la.writes_kv:
-            q = K.qk_norm_rope(self.q_proj(x).view(T, -1, hd), self.q_norm.weight, cos, sin, self.eps)
-            return self.o_proj(attn.attend(la, q, None, None).reshape(T, -1))
+            q = K.qk_norm_rope(linear(x, self.q_proj, t).view(T, -1, hd), self.q_norm.weight, cos, sin, self.eps)
+            return linear(attn.attend(la, q, None, None).reshape(T, -1), self.o_proj, t)
         w = self.merged_weight()
         if w is not None:  # [T, (nh + kvh [+ kvh]) * hd] -> views, no copies
-            q_raw, k_raw, v_raw = K.split_qkv(self.qkv(x), la.num_heads, la.num_kv_heads, hd, self.v_proj is None)
+            qkv = linear(x, self.qkv, t)
+            q_raw, k_raw, v_raw = K.split_qkv(qkv, la.num_heads, la.num_kv_heads, hd, self.v_proj is None)
         else:  # unmergeable projections (fp4-native, TP-sharded, mixed types)
-            q_raw, k_raw = self.q_proj(x).view(T, -1, hd), self.k_proj(x).view(T, -1, hd)
-            v_raw = None if self.v_proj is None else self.v_proj(x).view(T, -1, hd)
+            q_raw, k_raw = linear(x, self.q_proj, t).view(T, -1, hd), linear(x, self.k_proj, t).view(T, -1, hd)
+            v_raw = None if self.v_proj is None else linear(x, self.v_proj, t).view(T, -1, hd)
         target = _kv_write_target(attn, la, q_raw.dtype)
         q, k, v = K.qkv_norm_rope_split(
             q_raw, k_raw, v_raw, self.q_norm.weight, self.k_norm.weight, cos, sin, self.eps, target
         )  # [T, nh, hd]; k, v [T, kvh, hd] or None when written into the cache
         o = attn.attend(la, q, k, v)
-        return self.o_proj(o.reshape(T, -1))
+        return linear(o.reshape(T, -1), self.o_proj, t)
 
 
 class Gemma4Router(nn.Module):
@@ -385,6 +430,7 @@ class Gemma4Experts(nn.Module):
 
 class Gemma4DecoderLayer(nn.Module):
     fused = False
+    gemv_tiles: GemvTiles = NO_GEMV  # set by Gemma4ForCausalLM.set_decode_gemv
 
     def __init__(self, cfg: Gemma4Config, layer: AttnLayer):
         super().__init__()
@@ -458,15 +504,16 @@ class Gemma4DecoderLayer(nn.Module):
         m = self.mlp(ys[0])
         x2 = None
         if self.enable_moe_block:
-            w, idx = K.moe_routing(self.router.proj(ys[2]), self.router.top_k, self.router.per_expert_scale)
+            logits = linear(ys[2], self.router.proj, self.gemv_tiles)
+            w, idx = K.moe_routing(logits, self.router.top_k, self.router.per_expert_scale)
             e = self.experts(ys[1], idx, w)
             x2 = (e, self.post_feedforward_layernorm_1.weight, self.post_feedforward_layernorm_2.weight)
         last_next = [] if next_norm is None else [next_norm]  # emitted by the layer's last sandwich
         if self.has_ple:
             h, _ = K.sandwich(m, r, self.post_feedforward_layernorm.weight, eps, x2=x2)
-            g = K.gelu_mul(self.per_layer_input_gate(h), ple)  # [T, P]
+            g = K.gelu_mul(linear(h, self.per_layer_input_gate, self.gemv_tiles), ple)  # [T, P]
             h, ys = K.sandwich(
-                self.per_layer_projection(g), h, self.post_per_layer_input_norm.weight, eps,
+                linear(g, self.per_layer_projection, self.gemv_tiles), h, self.post_per_layer_input_norm.weight, eps,
                 scalar=self.layer_scalar, next_weights=last_next,
             )  # fmt: skip
         else:
@@ -476,9 +523,20 @@ class Gemma4DecoderLayer(nn.Module):
             )  # fmt: skip
         return h, (ys[0] if ys else None)
 
+    def decode_linears(self) -> list:
+        """The linears (or merged rows) the fused forward multiplies by."""
+        out = self.self_attn.decode_linears() + self.mlp.decode_linears()
+        if self.enable_moe_block:
+            out.append(self.router.proj)
+        if self.has_ple:
+            out += [self.per_layer_input_gate, self.per_layer_projection]
+        return out
+
 
 class Gemma4ForCausalLM(nn.Module):
     """Gemma4 text decoder with tied LM head. `forward` takes a flat [T] token layout (no batch dim)."""
+
+    gemv_tiles: GemvTiles = NO_GEMV  # set by set_decode_gemv (the LM head's)
 
     def __init__(self, cfg: Gemma4Config, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
@@ -498,6 +556,7 @@ class Gemma4ForCausalLM(nn.Module):
             self.to(dtype)
         self.rope: RopeTables | None = None
         self.fused = False
+        self._gemv_timed: dict[tuple[int, int, torch.dtype], dict] = {}  # decode_gemv=auto's timings, per shape
 
     def set_moe_gather(self, kind: str) -> bool:
         """NVFP4 experts at decode sizes: "gemv" (the gathered W4A16 gemv, GeGLU and combine in torch) or
@@ -525,6 +584,45 @@ class Gemma4ForCausalLM(nn.Module):
                 setattr(m, name, value)
                 found = True
         return found
+
+    def decode_weights(self) -> dict[tuple[int, int, torch.dtype], list[Tensor]]:
+        """The plain [N, K] weights the fused forward multiplies by (merged rows where merged, the tied LM head),
+        grouped by (N, K, dtype), each group in layer order. Quantised and TP-wrapped linears are left out."""
+        groups: dict[tuple[int, int, torch.dtype], list[Tensor]] = {}
+        lins = [lin for layer in self.layers for lin in layer.decode_linears()]
+        for w in [_plain_weight(lin) for lin in lins] + [self.embed_tokens.weight]:
+            if w is not None and w.dim() == 2 and w.device.type != "meta":
+                groups.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(w)
+        return groups
+
+    def set_decode_gemv(self, mode: str) -> dict:
+        """Route the fused path's one-row products (batch-1 decode) through the Triton gemv, per weight shape:
+        "cublas" none; "triton" every plain weight with ``gemv.default_tile``; "auto" the shapes where a gemv
+        tile beat cuBLAS on this GPU, timed once per shape on the model's own weights (``gemv.time_gemv_choice``;
+        none without CUDA). Call after ``set_fused``: the merged qkv / gate_up shapes are the ones timed.
+        Returns {"mode", "shapes": {"NxK": the timing row or the tile}} for the result file."""
+        if mode not in ("auto", "cublas", "triton"):
+            raise ValueError(f"decode_gemv {mode!r}: allowed values are auto, cublas, triton")
+        tiles: dict = {}
+        shapes: dict[str, object] = {}
+        if mode != "cublas":
+            from perfkit.kernels import gemv
+
+            for key, ws in self.decode_weights().items():
+                N, K, _ = key
+                if mode == "triton":
+                    tiles[key] = gemv.default_tile(N, K)
+                    shapes[f"{N}x{K}"] = tiles[key].label
+                elif ws[0].device.type == "cuda":
+                    if key not in self._gemv_timed:
+                        self._gemv_timed[key] = gemv.time_gemv_choice(ws[: gemv.TIMING_CALLS])
+                    row = self._gemv_timed[key]
+                    tile = gemv.tile_by_label(row["best"])
+                    if tile is not None:
+                        tiles[key] = tile
+                    shapes[f"{N}x{K}"] = row
+        self._set_module_flag("gemv_tiles", MappingProxyType(tiles))
+        return {"mode": mode, "shapes": shapes}
 
     def set_fused(self, on: bool) -> None:
         """Route norms, GeGLU, q/k-norm + RoPE and MoE through the Triton kernels (True) or PyTorch (False).
@@ -593,7 +691,11 @@ class Gemma4ForCausalLM(nn.Module):
 
     def _lm_head(self, x: Tensor) -> Tensor:
         """Normed final hidden [N, H] -> logits [N, V] in the model dtype (tied embedding as LM head)."""
-        return F.linear(x, self.embed_tokens.weight)
+        w = self.embed_tokens.weight
+        tile = _gemv_tile(x, w, self.gemv_tiles) if self.fused else None
+        if tile is not None:
+            return _kernels().gemv(x, w, tile)
+        return F.linear(x, w)
 
     def embed(self, input_ids: Tensor, mm_embeds: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """-> (h0 [T, H] with mm rows merged, text ids [T] with every MM placeholder replaced by pad)."""

@@ -1,0 +1,311 @@
+"""bf16 / fp16 GEMV for batch-1 decode: ``y[M, N] = x[M, K] @ w[N, K]^T`` with one (or a few) rows of x.
+
+Why: at M = 1 a decode step reads every weight once, so each linear should run at the DRAM read rate. cuBLAS picks
+its kernel per shape, and on the H200 some of the picks are 10-25 % slower than the weight read (12-05,
+``docs/h200-runs/2026-12-05/``, CUDA graphs of 20 calls over distinct weights, M = 1, us):
+
+    shape [N, K]              bound   cuBLAS   this gemv (best tile)
+    31B o_proj 5376 x 8192    20.5    25.8     22.4
+    31B o_proj 5376 x 16384   41.0    46.1     43.0
+    31B down 5376 x 21504     53.8    58.5     56.5
+    31B qkv 16384 x 5376      41.0    42.8     45.3   (cuBLAS wins)
+    31B gate_up 43008 x 5376  107.5   107.4    109.1  (cuBLAS wins)
+    26B-A4B router 128 x 2816  0.2     5.8      2.8
+
+On the long-K shapes cuBLAS splits K and adds a reduce kernel (12-04's profile: 120 split-K reduces per 31B
+batch-1 step); this kernel streams each weight row once, with no split and no reduce. Which is faster depends on the shape and the GPU,
+so the engine times both on the model's own weights (``time_gemv_choice``, toggle ``decode_gemv=auto``) and routes
+each shape's M = 1 products to the winner.
+
+Kernel (``_gemv_kernel``, CUDA cores, no ``tl.dot``): a program owns BLOCK_N weight rows and BLOCK_M rows of x and
+walks K in BLOCK_K steps; the weight tile [BLOCK_N, BLOCK_K] loads as 16-byte vectors (8 elements per lane along
+K), the next step's tile is loaded before this step's FMAs (a register double buffer: the loop has no dot, so
+Triton's pipeliner does not prefetch it), and the fp32 accumulator [BLOCK_M, BLOCK_N, BLOCK_K] is reduced over K
+once, after the loop. Only full steps run in the loop (no masks, so the loads stay vectors); a K tail is one masked
+step. Rows past N / M are clamped on load and masked on store. ``evict_first`` marks the weight loads as streaming
+(each weight byte is read once); it won on the long-K shapes (31B o_proj 5376 x 8192: 22.4 vs 23.8 us) and lost on
+the 26B-A4B LM head (356.7 vs 349.9).
+
+Traffic (``gemv_traffic``): N*K*e weight bytes + M*K*e (x) + M*N*e (out), e = 2 bytes; at M = 1 the weight is
+all of it.
+
+Numerics: products and sums in fp32 (a chain per lane along K, then a tree over lanes and warps), one rounding
+to x's dtype at the end; ``gemv_ref`` (fp32 matmul) is the reference. cuBLAS's order differs, so the two agree to
+rounding, not bit for bit. No host syncs: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from perfkit.kernels.launch import interpreting
+from perfkit.kernels.w4a16_gemm import HBM_BYTES_PER_S
+
+# The most rows of x one program takes (a caller with more rows streams the weight once per BLOCK_M rows). The
+# engine only routes M = 1 here: at M = 2 cuBLAS won or tied every 31B shape in 12-05's sweep (o_proj 5376 x 8192:
+# 25.9 vs 26.2 us, qkv 16384 x 5376: 49.3 vs 42.9).
+GEMV_MAX_M = 1
+MAX_BLOCK_M = 4
+TIMING_CALLS = 20  # calls per timed CUDA graph: enough distinct weights in a row that L2 holds none of them
+TIMING_REPLAYS = 15
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [M, K] activations, unit stride along K
+    w_ptr,  # [N, K] weight, unit stride along K
+    out_ptr,  # [M, N], unit stride along N
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVICT: tl.constexpr,  # "evict_first" (streaming weight loads) or ""
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N / M re-read the last row (never stored): no masks
+    rm = tl.minimum(offs_m, M - 1).to(tl.int64)
+    k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + (rn * stride_wn)[None, :, None] + k[None, None, :]  # [1, BN, BK]
+    x_ptrs = x_ptr + (rm * stride_xm)[:, None, None] + k[None, None, :]  # [BM, 1, BK]
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    k_main = K // BLOCK_K * BLOCK_K  # end of the full steps
+    # the first step's tile (all-true mask, or no full step at all); each iteration loads the next one before its
+    # FMAs, the last iteration's "next" clamped onto itself (an L2 re-read instead of a mask)
+    w = tl.load(w_ptrs, mask=(k < k_main)[None, None, :], other=0.0, eviction_policy=EVICT)
+    for k0 in range(0, k_main, BLOCK_K):
+        x = tl.load(x_ptrs + k0)
+        w_next = tl.load(w_ptrs + tl.minimum(k0 + BLOCK_K, k_main - BLOCK_K), eviction_policy=EVICT)
+        acc = tl.fma(w.to(tl.float32), x.to(tl.float32), acc)
+        w = w_next
+    if k_main < K:  # the K tail: one masked step
+        km = (k_main + k < K)[None, None, :]
+        x = tl.load(x_ptrs + k_main, mask=km, other=0.0)
+        w = tl.load(w_ptrs + k_main, mask=km, other=0.0, eviction_policy=EVICT)
+        acc = tl.fma(w.to(tl.float32), x.to(tl.float32), acc)
+    y = tl.sum(acc, axis=2)  # [BM, BN]
+    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One tile of ``_gemv_kernel``: ``block_n`` weight rows per program, ``block_k`` K elements per step (the
+    weight tile is block_n x block_k, loaded twice over: this step's and the next), ``num_warps``, and whether the
+    weight loads are marked evict-first. Sizes are powers of two (ValueError otherwise)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    evict_first: bool = False
+
+    def __post_init__(self) -> None:
+        if not all(
+            isinstance(v, int) and v >= 1 and v & (v - 1) == 0 for v in (self.block_n, self.block_k, self.num_warps)
+        ):
+            raise ValueError(f"bad GemvConfig {self}: block_n, block_k and num_warps must be powers of two")
+
+    @property
+    def label(self) -> str:
+        return f"{self.block_n}x{self.block_k}w{self.num_warps}{'e' if self.evict_first else ''}"
+
+
+# The candidates ``time_gemv_choice`` times per shape: the best tile of each 31B / 26B-A4B shape in 12-05's H200
+# sweep (14 tiles x 14 shapes, docs/h200-runs/2026-12-05/3-gemv_sweep.jsonl). 16 x 512 evict-first: long K (31B
+# o_proj / down); 8 x 1024 evict-first: 26B-A4B o_proj and router; 4 x 512 on 2 warps: K 2-5K with N up to 43K
+# (31B qkv full, gate_up; 26B-A4B gate_up, down); 32 x 256: very many rows (LM head, 26B-A4B qkv full).
+GEMV_TILES: tuple[GemvConfig, ...] = (
+    GemvConfig(16, 512, 4, evict_first=True),
+    GemvConfig(8, 1024, 4, evict_first=True),
+    GemvConfig(4, 512, 2),
+    GemvConfig(32, 256, 4),
+)
+# The CPU interpreter runs one program at a time in Python: one wide tile per problem.
+INTERPRETER_TILE = GemvConfig(64, 128, 4)
+
+
+def default_tile(N: int, K: int) -> GemvConfig:
+    """The tile for ``decode_gemv=triton`` (no timing), from the same sweep: long K -> 16 x 512 evict-first, many
+    rows per K (the LM head) -> 32 x 256, else 4 x 512 on 2 warps. INTERPRETER_TILE under the CPU interpreter."""
+    if interpreting():
+        return INTERPRETER_TILE
+    if K >= 8192:
+        return GEMV_TILES[0]
+    if N >= 32 * K:
+        return GEMV_TILES[3]
+    return GEMV_TILES[2]
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None, out: torch.Tensor | None = None):
+    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype (``out`` if given). x and w share a dtype and have unit stride
+    along K. Meant for M <= GEMV_MAX_M; larger M is correct but streams the weight once per MAX_BLOCK_M rows."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != w.dtype:
+        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} and w {tuple(w.shape)} {w.dtype} do not match")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError("gemv: x and w need unit stride along K")
+    M, K = x.shape
+    N = w.shape[0]
+    cfg = config or default_tile(N, K)
+    bm = min(MAX_BLOCK_M, triton.next_power_of_2(M))
+    bn = min(cfg.block_n, triton.next_power_of_2(N))
+    bk = min(cfg.block_k, max(16, triton.next_power_of_2(K)))
+    if out is None:
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
+    _gemv_kernel[grid](
+        x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVICT="evict_first" if cfg.evict_first else "", num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return out
+
+
+def gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The reference: fp32 x @ fp32 w^T -> fp32 [M, N]."""
+    return x.float() @ w.float().t()
+
+
+def gemv_traffic(M: int, N: int, K: int, elem_bytes: int = 2) -> dict[str, float]:
+    """DRAM bytes of one call (the weight once, x, the output) and their time at HBM_BYTES_PER_S."""
+    total = elem_bytes * (N * K + M * K + M * N)
+    return {"weight_bytes": elem_bytes * N * K, "total_bytes": total, "bound_us": total / HBM_BYTES_PER_S * 1e6}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Timing: what decode_gemv=auto runs at engine start, and the sweep
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _sequence_us(fn, weights: Sequence[torch.Tensor], calls: int, replays: int) -> float:
+    """Median us per call of ``fn(w)`` over ``calls`` calls cycling through ``weights``, captured in one CUDA
+    graph (back to back, as in a decode step's graph; distinct weights keep L2 from serving a re-read)."""
+    seq = [weights[i % len(weights)] for i in range(calls)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in seq:  # compile / warm up outside the capture
+            fn(w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in seq:
+            fn(w)
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def time_gemv_choice(
+    weights: Sequence[torch.Tensor],
+    tiles: Sequence[GemvConfig] = GEMV_TILES,
+    calls: int = TIMING_CALLS,
+    replays: int = TIMING_REPLAYS,
+) -> dict:
+    """Time cuBLAS (``x @ w^T``) and each tile at M = 1 on CUDA ``weights`` (one [N, K] shape and dtype, e.g. the
+    same projection of every layer): {"cublas_us", "tiles": {label: us}, "best": label or "cublas", "best_us"}.
+    The winner must beat cuBLAS outright; a tile that fails to compile is recorded as its error string."""
+    w0 = weights[0]
+    if any(w.shape != w0.shape or w.dtype != w0.dtype for w in weights):
+        raise ValueError("time_gemv_choice: the weights must share one shape and dtype")
+    N, K = w0.shape
+    gen = torch.Generator(device=w0.device).manual_seed(0)
+    x = (torch.randn(1, K, device=w0.device, generator=gen) * 0.5).to(w0.dtype)
+    out = torch.empty(1, N, dtype=w0.dtype, device=w0.device)
+    row: dict = {"N": N, "K": K, "dtype": str(w0.dtype).removeprefix("torch."), "weights": len(weights),
+                 "bound_us": round(gemv_traffic(1, N, K, w0.element_size())["bound_us"], 2)}  # fmt: skip
+    row["cublas_us"] = round(_sequence_us(lambda w: torch.mm(x, w.t(), out=out), weights, calls, replays), 2)
+    row["tiles"] = {}
+    best, best_us = "cublas", row["cublas_us"]
+    for cfg in tiles:
+        try:
+            us = round(_sequence_us(lambda w, cfg=cfg: gemv(x, w, cfg, out=out), weights, calls, replays), 2)
+        except Exception as exc:  # a tile that does not compile here: recorded, never chosen
+            row["tiles"][cfg.label] = f"{type(exc).__name__}: {exc}"[:200]
+            continue
+        row["tiles"][cfg.label] = us
+        if us < best_us:
+            best, best_us = cfg.label, us
+    row["best"], row["best_us"] = best, best_us
+    return row
+
+
+def tile_by_label(label: str) -> GemvConfig | None:
+    """The GEMV_TILES entry with this label (None for "cublas")."""
+    return next((t for t in GEMV_TILES if t.label == label), None)
+
+
+# The decode linears of the two large presets as [N, K] (the sweep's shapes).
+SWEEP_SHAPES: dict[str, tuple[int, int]] = {
+    "31b/qkv_sliding": (16384, 5376), "31b/qkv_full": (18432, 5376), "31b/gate_up": (43008, 5376),
+    "31b/down": (5376, 21504), "31b/o_sliding": (5376, 8192), "31b/o_full": (5376, 16384),
+    "31b/lm_head": (262144, 5376), "26b-a4b/qkv_sliding": (8192, 2816), "26b-a4b/qkv_full": (9216, 2816),
+    "26b-a4b/o_sliding": (2816, 4096), "26b-a4b/o_full": (2816, 8192), "26b-a4b/gate_up": (4224, 2816),
+    "26b-a4b/down": (2816, 2112), "26b-a4b/router": (128, 2816), "26b-a4b/lm_head": (262144, 2816),
+}  # fmt: skip
+
+
+def sweep_gemv(shapes: dict[str, tuple[int, int]] = SWEEP_SHAPES, out: str | None = None) -> list[dict]:
+    """``time_gemv_choice`` on random bf16 weights at every shape (enough copies that 20 calls never re-read one
+    from L2); one JSON line per shape to ``out`` (or stdout)."""
+    rows = []
+    fh = open(out, "w") if out else None  # closed in the finally below
+    try:
+        for name, (N, K) in shapes.items():
+            copies = max(2, min(TIMING_CALLS, -(-200_000_000 // (2 * N * K))))
+            ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+            row = {"shape": name, **time_gemv_choice(ws)}
+            rows.append(row)
+            print(json.dumps(row), file=fh, flush=True)
+            del ws
+            torch.cuda.empty_cache()
+    finally:
+        if fh is not None:
+            fh.close()
+    return rows
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python3 -m perfkit.kernels.gemv",
+        description="bf16 GEMV at M = 1: time cuBLAS and every GEMV_TILES tile at the 31B / 26B-A4B decode shapes.",
+    )
+    parser.add_argument("--out", default=None, help="JSONL file for the rows (default: stdout)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("perfkit.kernels.gemv needs a CUDA GPU (none visible); nothing timed.")
+        return 2
+    rows = sweep_gemv(out=args.out)
+    for r in rows:
+        print(f"{r['shape']:<22} bound {r['bound_us']:>7.2f} us  cuBLAS {r['cublas_us']:>7.2f}  best {r['best']} "
+              f"{r['best_us']:.2f}")  # fmt: skip
+    print(json.dumps({"tiles": [asdict(t) for t in GEMV_TILES]}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
