@@ -190,6 +190,8 @@ def test_set_decode_gemv_modes():
     assert not model.layers[0].mlp.gemv_tiles and not model.gemv_tiles
     model.set_decode_gemv("triton")
     assert model.layers[0].self_attn.gemv_tiles and model.gemv_tiles is model.layers[0].gemv_tiles
+    twin = copy.deepcopy(model)  # the tables copy with the model (the GPU tests deepcopy engines' models)
+    assert twin.layers[0].mlp.gemv_tiles == model.layers[0].mlp.gemv_tiles
     model.set_decode_gemv("cublas")
     assert not model.layers[0].self_attn.gemv_tiles
     with pytest.raises(ValueError, match="decode_gemv"):

@@ -41,7 +41,7 @@ import contextlib
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType, SimpleNamespace
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -92,9 +92,10 @@ class MergedRows:
         return True
 
 
-# (N, K, dtype) of a plain weight -> the gemv tile its one-row products take (set by set_decode_gemv); empty = cuBLAS
+# (N, K, dtype) of a plain weight -> the gemv tile its one-row products take (set by set_decode_gemv); empty = cuBLAS.
+# A plain dict, never changed in place (set_decode_gemv assigns a new one): a mappingproxy would stop deepcopy.
 GemvTiles = Mapping[tuple[int, int, torch.dtype], object]
-NO_GEMV: GemvTiles = MappingProxyType({})
+NO_GEMV: GemvTiles = {}
 
 
 def _plain_weight(lin) -> Tensor | None:
@@ -621,7 +622,7 @@ class Gemma4ForCausalLM(nn.Module):
                     if tile is not None:
                         tiles[key] = tile
                     shapes[f"{N}x{K}"] = row
-        self._set_module_flag("gemv_tiles", MappingProxyType(tiles))
+        self._set_module_flag("gemv_tiles", tiles)
         return {"mode": mode, "shapes": shapes}
 
     def set_fused(self, on: bool) -> None:

@@ -6,7 +6,6 @@ import json
 import sys
 
 import torch
-import torch.nn.functional as F
 
 spec = importlib.util.spec_from_file_location("gemv_cand", ".carry/gemv_cand.py")
 G = importlib.util.module_from_spec(spec)
@@ -41,7 +40,10 @@ def time_us(fn, calls):
     ts = []
     for _ in range(15):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); b.synchronize()
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
         ts.append(a.elapsed_time(b) / len(calls) * 1e3)
     ts.sort()
     return ts[len(ts) // 2]
@@ -57,12 +59,12 @@ for name, (n, k) in SHAPES.items():
         calls = [(ws[i % copies], outs[i % 2]) for i in range(20)]
         ref = x.float() @ ws[0].float().t()
         row = {"shape": name, "n": n, "k": k, "m": m, "bound_us": round(nbytes / 4.3e12 * 1e6, 2)}
-        row["cublas"] = round(time_us(lambda w, o: torch.mm(x, w.t(), out=o), calls), 2)
+        row["cublas"] = round(time_us(lambda w, o, x=x: torch.mm(x, w.t(), out=o), calls), 2)
         for bn, bk, nw, pf, ev in TILES:
             key = f"{bn}x{bk}w{nw}{'p' if pf else ''}{'e' if ev else ''}"
             try:
                 err = float((G.gemv(x, ws[0], bn, bk, nw, pf, evict=ev).float() - ref).abs().max())
-                row[key] = round(time_us(lambda w, o: G.gemv(x, w, bn, bk, nw, pf, out=o, evict=ev), calls), 2)
+                row[key] = round(time_us(lambda w, o, x=x, c=(bn, bk, nw, pf), ev=ev: G.gemv(x, w, *c, out=o, evict=ev), calls), 2)
                 row[key + "_err"] = round(err, 5)
             except Exception as e:
                 row[key] = f"{type(e).__name__}: {e}"[:120]
