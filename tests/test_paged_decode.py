@@ -122,7 +122,9 @@ def test_pick_splits_fills_the_machine_within_the_span():
     assert pick_splits(1, 2, 132, None) == 64  # capped by max_splits
     assert pick_splits(1, 8, 132, 64, block_n=32) == 2  # a 64-token window has 2 blocks
     assert pick_splits(64, 16, 132, 1024) == 1  # enough programs already
-    assert pick_splits(4, 16, 132, 1024) == 5
+    assert pick_splits(4, 16, 132, 1024) == 9  # a sliding pool from batch 2: 4 programs per SM
+    assert pick_splits(4, 16, 132, 1024, programs_per_sm=2) == 5
+    assert pick_splits(4, 4, 132, None) == 17  # full pools keep 2 per SM
     assert pick_splits(0, 4, 1, None) >= 1
 
 

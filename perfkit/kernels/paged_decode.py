@@ -195,6 +195,11 @@ DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 2
 DECODE_MAX_SPLITS = 64
 DECODE_PROGRAMS_PER_SM = 2  # splits fill about this many programs per SM (stage 1)
+# Sliding pools (a window) from batch 2 fill twice as many: 31B sliding batch 2 17.52 vs 19.45 us, 26B-A4B batch 4
+# 17.28 vs 19.48 (docs/h200-runs/2026-12-04/3-attn_*.json), while the full pools lose with it (31B batch 4: 24.88
+# vs 20.93). In the engine (docs/h200-runs/2026-12-05/7-pps_*.json, 31B bf16, old new new old as separate runs):
+# forward_decode c2 17.49 / 17.50 -> 17.39 / 17.40 ms, c4 18.11 / 18.11 -> 17.97 / 17.98.
+SLIDING_PROGRAMS_PER_SM = 4
 # The merge (docs/h200-runs/2026-12-04/1-merge_ab.jsonl, 2-merge_var.jsonl): 32 splits per load, against one scalar
 # load per split before, took the hd 512 pools at batch 1 from 18.7 to 11.6 us (31B); a head's columns spread over
 # D / 128 programs while there are few (row, head) pairs (batch 1-2: 11.6 vs 12.0 us at 31B full), whole heads above
@@ -205,11 +210,14 @@ MERGE_COLUMN_SPLIT_MAX_ROWS = 64
 
 
 def pick_splits(batch: int, num_kv_heads: int, sms: int, max_span: int | None, block_n: int = DECODE_BLOCK_N,
-                programs_per_sm: int = DECODE_PROGRAMS_PER_SM, max_splits: int = DECODE_MAX_SPLITS) -> int:  # fmt: skip
-    """Slices per (request, kv head): enough programs for ``programs_per_sm`` per SM, no more slices than the
-    longest visible span has BLOCK_N blocks (``max_span``: the window on sliding pools; None = unbounded), at most
-    ``max_splits``. Depends on the batch and the pool only, never on this step's kv lengths, so a CUDA graph
+                programs_per_sm: int | None = None, max_splits: int = DECODE_MAX_SPLITS) -> int:  # fmt: skip
+    """Slices per (request, kv head): enough programs for ``programs_per_sm`` per SM (None: SLIDING_PROGRAMS_PER_SM
+    on a sliding pool from batch 2, else DECODE_PROGRAMS_PER_SM), no more slices than the longest visible span has
+    BLOCK_N blocks (``max_span``: the window on sliding pools; None = unbounded), at most ``max_splits``. Depends on the batch and the pool only, never on this step's kv lengths, so a CUDA graph
     captured for a batch size replays with the same grid whatever the lengths are."""
+    if programs_per_sm is None:
+        sliding = max_span is not None and batch >= 2
+        programs_per_sm = SLIDING_PROGRAMS_PER_SM if sliding else DECODE_PROGRAMS_PER_SM
     want = math.ceil(programs_per_sm * sms / max(1, batch * num_kv_heads))
     if max_span is not None:
         want = min(want, math.ceil(max_span / block_n))

@@ -34,7 +34,7 @@ from typing import Any
 from perfkit.capture.ranges import percentile
 from perfkit.errors import PerfkitError
 from perfkit.kernels.launch import sm_count
-from perfkit.kernels.paged_decode import DECODE_BLOCK_N, DECODE_PROGRAMS_PER_SM, paged_decode_attention, pick_splits
+from perfkit.kernels.paged_decode import DECODE_BLOCK_N, paged_decode_attention, pick_splits
 from perfkit.runtime.attention.flashinfer import window_left
 from perfkit.runtime.kv_cache import PoolSpec, pool_specs
 from perfkit.runtime.model_config import get_preset
@@ -189,7 +189,7 @@ def _decode_fn(fi, torch, row: dict[str, Any], spec: PoolSpec, page_size: int, w
         indptr_d, lens_d = indptr.to(dev), torch.full((b,), n, dtype=torch.int32, device=dev)
         tile = row.get("tile", {})
         splits = pick_splits(b, spec.num_kv_heads, sm_count(dev), spec.window, tile.get("block_n", DECODE_BLOCK_N),
-                             tile.get("programs_per_sm", DECODE_PROGRAMS_PER_SM))  # fmt: skip
+                             tile.get("programs_per_sm"))  # fmt: skip
         row["num_splits"] = splits
         launch = {k: v for k, v in tile.items() if k != "programs_per_sm"}  # block_n, num_warps
 
