@@ -13,9 +13,10 @@ its kernel per shape, and on the H200 some of the picks are 10-25 % slower than 
     26B-A4B router 128 x 2816  0.2     5.8      2.8
 
 On the long-K shapes cuBLAS splits K and adds a reduce kernel (12-04's profile: 120 split-K reduces per 31B
-batch-1 step); this kernel streams each weight row once, with no split and no reduce. Which is faster depends on the shape and the GPU,
-so the engine times both on the model's own weights (``time_gemv_choice``, toggle ``decode_gemv=auto``) and routes
-each shape's M = 1 products to the winner.
+batch-1 step); this kernel streams each weight row once, with no split and no reduce. Which is faster depends on the
+shape and the GPU, so the engine times both on the model's own weights (``time_gemv_choice``, toggle
+``decode_gemv=auto``) and routes each shape's M = 1 products to the winner. Only M = 1: at M = 2 cuBLAS won or tied
+every 31B shape in the same sweep (o_proj 5376 x 8192: 25.9 vs 26.2 us, qkv 16384 x 5376: 49.3 vs 42.9).
 
 Kernel (``_gemv_kernel``, CUDA cores, no ``tl.dot``): a program owns BLOCK_N weight rows and BLOCK_M rows of x and
 walks K in BLOCK_K steps; the weight tile [BLOCK_N, BLOCK_K] loads as 16-byte vectors (8 elements per lane along
@@ -49,11 +50,7 @@ import triton.language as tl
 from perfkit.kernels.launch import interpreting
 from perfkit.kernels.w4a16_gemm import HBM_BYTES_PER_S
 
-# The most rows of x one program takes (a caller with more rows streams the weight once per BLOCK_M rows). The
-# engine only routes M = 1 here: at M = 2 cuBLAS won or tied every 31B shape in 12-05's sweep (o_proj 5376 x 8192:
-# 25.9 vs 26.2 us, qkv 16384 x 5376: 49.3 vs 42.9).
-GEMV_MAX_M = 1
-MAX_BLOCK_M = 4
+MAX_BLOCK_M = 4  # the most rows of x one program takes (more rows: the weight is streamed once per 4 rows)
 TIMING_CALLS = 20  # calls per timed CUDA graph: enough distinct weights in a row that L2 holds none of them
 TIMING_REPLAYS = 15
 
@@ -153,7 +150,7 @@ def default_tile(N: int, K: int) -> GemvConfig:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None, out: torch.Tensor | None = None):
     """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype (``out`` if given). x and w share a dtype and have unit stride
-    along K. Meant for M <= GEMV_MAX_M; larger M is correct but streams the weight once per MAX_BLOCK_M rows."""
+    along K. Meant for M = 1; larger M is correct but streams the weight once per MAX_BLOCK_M rows."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != w.dtype:
         raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} and w {tuple(w.shape)} {w.dtype} do not match")
     if x.stride(1) != 1 or w.stride(1) != 1:

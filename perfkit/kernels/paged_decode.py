@@ -213,8 +213,9 @@ def pick_splits(batch: int, num_kv_heads: int, sms: int, max_span: int | None, b
                 programs_per_sm: int | None = None, max_splits: int = DECODE_MAX_SPLITS) -> int:  # fmt: skip
     """Slices per (request, kv head): enough programs for ``programs_per_sm`` per SM (None: SLIDING_PROGRAMS_PER_SM
     on a sliding pool from batch 2, else DECODE_PROGRAMS_PER_SM), no more slices than the longest visible span has
-    BLOCK_N blocks (``max_span``: the window on sliding pools; None = unbounded), at most ``max_splits``. Depends on the batch and the pool only, never on this step's kv lengths, so a CUDA graph
-    captured for a batch size replays with the same grid whatever the lengths are."""
+    BLOCK_N blocks (``max_span``: the window on sliding pools; None = unbounded), at most ``max_splits``. Depends on
+    the batch and the pool only, never on this step's kv lengths, so a CUDA graph captured for a batch size replays
+    with the same grid whatever the lengths are."""
     if programs_per_sm is None:
         sliding = max_span is not None and batch >= 2
         programs_per_sm = SLIDING_PROGRAMS_PER_SM if sliding else DECODE_PROGRAMS_PER_SM

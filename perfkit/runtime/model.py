@@ -30,6 +30,9 @@ decoder layer is, in launches:
   of a layer (the PLE one on E2B/E4B) also emits the next layer's input_layernorm, so `decode_layers` (the layer
   loop of `forward` and of the CUDA-graph body) passes (h, normed h) from layer to layer; the first layer still
   runs its own rmsnorm.
+- One-row GEMMs (batch-1 decode): every product of a plain weight (merged rows, nn.Linear, the tied LM head) goes
+  through `linear(x, lin, tiles)`, which takes perfkit's gemv (perfkit/kernels/gemv.py) when `set_decode_gemv` gave
+  the weight's (N, K, dtype) a tile (toggle decode_gemv), else cuBLAS; more than one row is always cuBLAS.
 
 Module structure, nn.Linear attributes and parameter names are the same on both paths; triton is imported only
 when the fused path is switched on.
