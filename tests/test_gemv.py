@@ -196,6 +196,9 @@ def test_set_decode_gemv_modes():
     assert not model.layers[0].self_attn.gemv_tiles
     with pytest.raises(ValueError, match="decode_gemv"):
         model.set_decode_gemv("fast")
+    model.set_fused(False)
+    assert model.set_decode_gemv("triton") == {"mode": "triton", "shapes": {}}  # the unfused path never routes
+    assert not model.layers[0].mlp.gemv_tiles
 
 
 # ---- the engine toggle -------------------------------------------------------------------------------------

@@ -602,14 +602,15 @@ class Gemma4ForCausalLM(nn.Module):
     def set_decode_gemv(self, mode: str) -> dict:
         """Route the fused path's one-row products (batch-1 decode) through the Triton gemv, per weight shape:
         "cublas" none; "triton" every plain weight with ``gemv.default_tile``; "auto" the shapes where a gemv
-        tile beat cuBLAS on this GPU, timed once per shape on the model's own weights (``gemv.time_gemv_choice``;
-        none without CUDA). Call after ``set_fused``: the merged qkv / gate_up shapes are the ones timed.
+        tile beat cuBLAS on this GPU, timed once per shape on the model's own weights (``gemv.time_gemv_choice``).
+        Nothing routes (and nothing is timed) while the fused path is off, nor with auto off CUDA. Call after
+        ``set_fused``: the merged qkv / gate_up shapes are the ones timed.
         Returns {"mode", "shapes": {"NxK": the timing row or the tile}} for the result file."""
         if mode not in ("auto", "cublas", "triton"):
             raise ValueError(f"decode_gemv {mode!r}: allowed values are auto, cublas, triton")
         tiles: dict = {}
         shapes: dict[str, object] = {}
-        if mode != "cublas":
+        if self.fused and (mode == "triton" or (mode == "auto" and self.device.type == "cuda")):
             from perfkit.kernels import gemv
 
             for key, ws in self.decode_weights().items():
@@ -617,14 +618,14 @@ class Gemma4ForCausalLM(nn.Module):
                 if mode == "triton":
                     tiles[key] = gemv.default_tile(N, K)
                     shapes[f"{N}x{K}"] = tiles[key].label
-                elif ws[0].device.type == "cuda":
-                    if key not in self._gemv_timed:
-                        self._gemv_timed[key] = gemv.time_gemv_choice(ws[: gemv.TIMING_CALLS])
-                    row = self._gemv_timed[key]
-                    tile = gemv.tile_by_label(row["best"])
-                    if tile is not None:
-                        tiles[key] = tile
-                    shapes[f"{N}x{K}"] = row
+                    continue
+                if key not in self._gemv_timed:
+                    self._gemv_timed[key] = gemv.time_gemv_choice(ws[: gemv.TIMING_CALLS])
+                row = self._gemv_timed[key]
+                tile = gemv.tile_by_label(row["best"])
+                if tile is not None:
+                    tiles[key] = tile
+                shapes[f"{N}x{K}"] = row
         self._set_module_flag("gemv_tiles", tiles)
         return {"mode": mode, "shapes": shapes}
 
