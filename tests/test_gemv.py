@@ -163,8 +163,7 @@ def test_decode_weights_are_what_the_fused_forward_multiplies(name, monkeypatch)
     groups = model.decode_weights()
     H = cfg.hidden_size
     assert (cfg.vocab_size, H, torch.float32) in groups  # the tied LM head
-    merged = [layer.self_attn.merged_weight() for layer in model.layers] + [layer.mlp.merged_weight() for layer in
-                                                                             model.layers]  # fmt: skip
+    merged = [w for layer in model.layers for w in (layer.self_attn.merged_weight(), layer.mlp.merged_weight())]
     listed = {w.data_ptr() for ws in groups.values() for w in ws}
     assert all(w.data_ptr() in listed for w in merged if w is not None)  # merged rows, not their views
     calls = sum(len(ws) for ws in groups.values())
