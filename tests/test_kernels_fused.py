@@ -495,6 +495,29 @@ def test_fused_moe_gather(dtype, T, K, E, routing):
     check(out, fused_moe(x, gu, dn, w, idx, path="sorted"), dtype, rtol=2e-2, atol_rel=2e-2)
 
 
+# The prefetching form of the bf16 gather kernels (tile keys PREFETCH / EVICT_FIRST): unmasked steps with the H / I
+# tails (76 = 64 + 12, 40 = 32 + 8), partial N tiles, K = 1 / 2 / 8 slots (the 3-D slot tiles), K = 3 (falls back)
+PREFETCH_TILES = {"gate_up_tiles": {"BLOCK_N": 32, "BLOCK_K": 64, "PREFETCH": 1},
+                  "down_tiles": {"BLOCK_N": 64, "BLOCK_K": 32, "PREFETCH": 1, "EVICT_FIRST": 1}}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,K,E,routing", [(1, 8, 16, "distinct"), (5, 2, 4, "shared"), (2, 1, 16, "shared"),
+                                           (3, 3, 16, "shared")])  # fmt: skip
+def test_fused_moe_gather_prefetch_tiles(dtype, T, K, E, routing):
+    x, gu, dn, w, idx = _moe_case(T, K, E, routing, dtype)
+    w[0, 0] = 0.0  # a weight-0 pair reads nothing and adds nothing
+    out = fused_moe(x, gu, dn, w, idx, path="gather", **PREFETCH_TILES)
+    check(out, fused_moe_ref(x.float(), gu.float(), dn.float(), w, idx), dtype, rtol=2e-2, atol_rel=2e-2)
+    check(out, fused_moe(x, gu, dn, w, idx, path="gather", **SMALL_TILES), dtype, rtol=2e-2, atol_rel=2e-2)
+
+
+def test_gather_tile_keys_are_checked():
+    x, gu, dn, w, idx = _moe_case(1, 2, 4, "shared", torch.float32)
+    with pytest.raises(ValueError):
+        fused_moe(x, gu, dn, w, idx, path="gather", gate_up_tiles={"PREFETCHES": 1})
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_moe_gather_default_tiles_and_zero_weights(dtype):
     """Default tiles fitted to small shapes; weight-0 pairs (the expert-parallel form: another rank's pair sent
@@ -572,14 +595,14 @@ def test_quantised_moe_sweep_flow_on_cpu(monkeypatch):
 
 
 def test_moe_main_bad_input_exits_2_with_one_line(capsys, monkeypatch):
-    """``python3 -m perfkit.kernels.moe``: no GPU, --candidates without --tiles --quant, a bad --tokens: one stderr line,
+    """``python3 -m perfkit.kernels.moe``: no GPU, --candidates without --tiles, a bad --tokens: one stderr line,
     exit 2; no mode: the help, exit 2."""
     from perfkit.kernels.moe import _main
 
     cases = [
         (["--tiles", "--quant", "nvfp4"], False, "tile sweep needs a CUDA GPU"),
         (["--sweep"], False, "sweep needs a CUDA GPU"),
-        (["--tiles", "--candidates"], True, "--candidates goes with --tiles --quant"),
+        (["--sweep", "--candidates"], True, "--candidates goes with --tiles"),
         (["--sweep", "--tokens", "16,x"], True, "--tokens '16,x'"),
         (["--tiles", "--quant", "fp8", "--tokens", "0"], True, "positive integers"),
     ]
@@ -619,6 +642,27 @@ def test_quant_tile_sweep_flow_on_cpu(monkeypatch):
     assert "error" not in bad[1] and bad[1]["tiles"]["BLOCK_K"] == 32  # down: K 32 clips BLOCK_K to 32, it runs
     with pytest.raises(ValueError, match="fmt"):
         moe.quant_tile_sweep((3,), "int4", device=DEVICE)
+
+
+def test_gather_tile_sweep_flow_on_cpu(monkeypatch):
+    """The bf16 gather kernels' tile sweep (``python3 -m perfkit.kernels.moe --tiles [--candidates]``) at toy shapes
+    on CPU, timers stubbed: the defaults first, then one row per (kernel, T, tile), each output equal to the default
+    tiles' up to accumulation order (the prefetching form too); a tile that cannot run is recorded, not raised."""
+    import io
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
+    grid = (
+        {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "PREFETCH": 1},
+        {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "PREFETCH": 1, "EVICT_FIRST": 1},
+        {"BLOCK_N": 12, "BLOCK_K": 64},
+    )
+    rows = moe.tile_sweep((2,), file=io.StringIO(), grid=grid, E=4, H=80, I=40, K=2, device=DEVICE)
+    assert [(r["kernel"], r["tiles"].get("PREFETCH", 0)) for r in rows] == [("gate_up", 0)] * 1 + [
+        ("gate_up", 1), ("gate_up", 1), ("gate_up", 0), ("down", 0), ("down", 1), ("down", 1), ("down", 0)
+    ]  # fmt: skip
+    ok = [r for r in rows if "error" not in r]
+    assert len(ok) == 6 and all(r["rel_err_vs_default"] < 1e-2 and r["graph_us"] == 1000.0 for r in ok)
+    assert all("power of 2" in r["error"] for r in rows if "error" in r)  # BLOCK_N 12, recorded per kernel
 
 
 def test_traffic_formulas():
@@ -834,6 +878,10 @@ def test_gpu_moe_26b(T, path):
     assert same_set.float().mean() > 0.99
     out = fused_moe(x, gu, dn, w, idx, path=path)
     check(out, fused_moe_ref(x, gu, dn, w, idx), BF16, rtol=2e-2, atol_rel=2e-2)
+    if path == "gather":  # the prefetching form's candidate tiles compile and agree at real shapes
+        for tiles in moe.GATHER_PREFETCH_GRID[::7]:
+            out = fused_moe(x, gu, dn, w, idx, path=path, gate_up_tiles=tiles, down_tiles=tiles)
+            check(out, fused_moe_ref(x, gu, dn, w, idx), BF16, rtol=2e-2, atol_rel=2e-2)
 
 
 @gpu

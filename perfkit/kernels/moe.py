@@ -118,6 +118,7 @@ MOE_GATHER_MAX_PAIRS = 64
 GATHER_GATE_UP_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8}  # BLOCK_N rows of I, BLOCK_K of H
 GATHER_DOWN_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8}  # BLOCK_N rows of H, BLOCK_K of I
 _TILE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+_GATHER_TILE_KEYS = (*_TILE_KEYS, "PREFETCH", "EVICT_FIRST")  # the bf16 gather kernels' prefetching form
 # NVFP4 gather kernels (``_fused_moe_gather_w4a16``): the wide W4A16 gemv's layout (each thread 32 consecutive K
 # of a row: BLOCK_N or BLOCK_N / 2 rows per set x BLOCK_K / 32 chunks = 32 x num_warps threads). H200 sweep at
 # 26B-A4B shapes (12-01f call 4, docs/h200-runs/2026-12-01f/4-gather_tiles.jsonl; one MoE layer, CUDA graph, L2
@@ -435,6 +436,8 @@ def _moe_gather_gate_up_kernel(
     stride_act,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr = 0,  # 1: unmasked steps, the next step's tiles loaded before this one's FMAs
+    EVICT_FIRST: tl.constexpr = 0,  # 1 (with PREFETCH): weight loads marked evict-first
 ):
     """One program per (pair p, BLOCK_N rows of I): two GEMVs (gate, up) of x[p // K] with expert idx[p]."""
     p = tl.program_id(0).to(tl.int64)
@@ -447,19 +450,42 @@ def _moe_gather_gate_up_kernel(
     nmask = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + t * stride_x + offs_k  # [BLOCK_K]
-    g_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-    u_ptrs = g_ptrs + inter * stride_wn
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        km = offs_k < h_live - k0
-        wm = nmask[:, None] & km[None, :]
-        xv = tl.load(x_ptrs, mask=km, other=0.0).to(tl.float32)[None, :]
-        acc_g += tl.load(g_ptrs, mask=wm, other=0.0).to(tl.float32) * xv
-        acc_u += tl.load(u_ptrs, mask=wm, other=0.0).to(tl.float32) * xv
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+    if PREFETCH:  # rows past I re-read row I - 1 (never stored); a weight-0 pair runs no step at all
+        rn = tl.minimum(offs_n, inter - 1).to(tl.int64)
+        g_ptrs = w_ptr + e * stride_we + rn[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+        u_ptrs = g_ptrs + inter * stride_wn
+        evict: tl.constexpr = "evict_first" if EVICT_FIRST else ""
+        h_main = h_live // BLOCK_K * BLOCK_K
+        first = (offs_k < h_main)[None, :]
+        g = tl.load(g_ptrs, mask=first, other=0.0, eviction_policy=evict)
+        u = tl.load(u_ptrs, mask=first, other=0.0, eviction_policy=evict)
+        for k0 in range(0, h_main, BLOCK_K):
+            xv = tl.load(x_ptrs + k0).to(tl.float32)[None, :]
+            k_next = tl.minimum(k0 + BLOCK_K, h_main - BLOCK_K)
+            g_next = tl.load(g_ptrs + k_next, eviction_policy=evict)
+            u_next = tl.load(u_ptrs + k_next, eviction_policy=evict)
+            acc_g = tl.fma(g.to(tl.float32), xv, acc_g)
+            acc_u = tl.fma(u.to(tl.float32), xv, acc_u)
+            g, u = g_next, u_next
+        if h_main < h_live:  # the H tail: one masked step
+            km = offs_k < h_live - h_main
+            xv = tl.load(x_ptrs + h_main, mask=km, other=0.0).to(tl.float32)[None, :]
+            acc_g += tl.load(g_ptrs + h_main, mask=km[None, :], other=0.0).to(tl.float32) * xv
+            acc_u += tl.load(u_ptrs + h_main, mask=km[None, :], other=0.0).to(tl.float32) * xv
+    else:
+        g_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        u_ptrs = g_ptrs + inter * stride_wn
+        for k0 in range(0, H, BLOCK_K):
+            km = offs_k < h_live - k0
+            wm = nmask[:, None] & km[None, :]
+            xv = tl.load(x_ptrs, mask=km, other=0.0).to(tl.float32)[None, :]
+            acc_g += tl.load(g_ptrs, mask=wm, other=0.0).to(tl.float32) * xv
+            acc_u += tl.load(u_ptrs, mask=wm, other=0.0).to(tl.float32) * xv
+            x_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
     a = _gelu_tanh_f32(tl.sum(acc_g, axis=1)) * tl.sum(acc_u, axis=1)  # [BLOCK_N]
     tl.store(act_ptr + p * stride_act + offs_n, a.to(act_ptr.dtype.element_ty), mask=nmask)
 
@@ -480,28 +506,58 @@ def _moe_gather_down_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr = 0,  # 1: all slots' tiles as one [TOP_K, BLOCK_N, BLOCK_K] load, the next step's first
+    EVICT_FIRST: tl.constexpr = 0,  # 1 (with PREFETCH): weight loads marked evict-first
 ):
     """One program per (token t, BLOCK_N rows of H): out[t, n] = sum_k w[t, k] * act[t*K + k] . Wd[e_k][n].
 
     The K slots are unrolled inside the loop over I, so one loop step issues K independent weight-tile loads;
-    the slots are added into one fp32 accumulator in slot order (deterministic), reduced once, stored once."""
+    the slots are added into one fp32 accumulator in slot order (deterministic), reduced once, stored once.
+    PREFETCH: the K slots' tiles are one 3-D load (TOP_K a power of two), the next step's loaded before this one's
+    FMAs; the slots are summed per lane, then over K once at the end (another fp32 order)."""
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K], expert 0
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        for k in tl.static_range(TOP_K):
-            p = t * TOP_K + k
-            e = tl.load(idx_ptr + p).to(tl.int64)
-            wt = tl.load(topw_ptr + p).to(tl.float32)
-            m = offs_k < inter * (wt != 0).to(tl.int32) - k0  # weight 0: reads nothing, adds 0
-            a = tl.load(act_ptr + p * stride_act + k0 + offs_k, mask=m, other=0.0).to(tl.float32) * wt
-            wv = tl.load(w_rows + e * stride_we + k0, mask=nmask[:, None] & m[None, :], other=0.0).to(tl.float32)
-            acc += wv * a[None, :]
-    tl.store(out_ptr + t * stride_out + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=nmask)
+    if PREFETCH:
+        slots = t * TOP_K + tl.arange(0, TOP_K)  # [TOP_K] pairs of this token
+        es = tl.load(idx_ptr + slots).to(tl.int64)
+        wts = tl.load(topw_ptr + slots).to(tl.float32)
+        live = (wts != 0)[:, None, None]  # weight-0 slots read nothing
+        rn = tl.minimum(offs_n, H - 1).to(tl.int64)
+        w_ptrs = w_ptr + es[:, None, None] * stride_we + (rn * stride_wn)[None, :, None] + offs_k[None, None, :]
+        a_ptrs = act_ptr + (slots * stride_act)[:, None] + offs_k[None, :]  # [TOP_K, BLOCK_K]
+        evict: tl.constexpr = "evict_first" if EVICT_FIRST else ""
+        i_main = inter // BLOCK_K * BLOCK_K
+        acc3 = tl.zeros([TOP_K, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        wv = tl.load(w_ptrs, mask=live & (offs_k < i_main)[None, None, :], other=0.0, eviction_policy=evict)
+        for k0 in range(0, i_main, BLOCK_K):
+            a = tl.load(a_ptrs + k0).to(tl.float32) * wts[:, None]  # [TOP_K, BLOCK_K]
+            k_next = tl.minimum(k0 + BLOCK_K, i_main - BLOCK_K)
+            wv_next = tl.load(w_ptrs + k_next, mask=live, other=0.0, eviction_policy=evict)
+            acc3 = tl.fma(wv.to(tl.float32), a[:, None, :], acc3)
+            wv = wv_next
+        if i_main < inter:  # the I tail: one masked step
+            km = offs_k < inter - i_main
+            a = tl.load(a_ptrs + i_main, mask=km[None, :], other=0.0).to(tl.float32) * wts[:, None]
+            wv = tl.load(w_ptrs + i_main, mask=live & km[None, None, :], other=0.0).to(tl.float32)
+            acc3 += wv * a[:, None, :]
+        y = tl.sum(tl.sum(acc3, axis=2), axis=0)  # [BLOCK_N]
+    else:
+        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K], expert 0
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            for k in tl.static_range(TOP_K):
+                p = t * TOP_K + k
+                e = tl.load(idx_ptr + p).to(tl.int64)
+                wt = tl.load(topw_ptr + p).to(tl.float32)
+                m = offs_k < inter * (wt != 0).to(tl.int32) - k0  # weight 0: reads nothing, adds 0
+                a = tl.load(act_ptr + p * stride_act + k0 + offs_k, mask=m, other=0.0).to(tl.float32) * wt
+                wv = tl.load(w_rows + e * stride_we + k0, mask=nmask[:, None] & m[None, :], other=0.0)
+                acc += wv.to(tl.float32) * a[None, :]
+        y = tl.sum(acc, axis=1)
+    tl.store(out_ptr + t * stride_out + offs_n, y.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
 @triton.jit
@@ -683,7 +739,7 @@ def _gather_tiles(default: dict[str, int], override: dict[str, int] | None, n: i
     """Default tiles with a per-call override merged in, then shrunk for small problems (tests)."""
     t = dict(default)
     if override:
-        _check_tile_keys(override, _TILE_KEYS)
+        _check_tile_keys(override, _GATHER_TILE_KEYS)
         t.update(override)
     for key in ("BLOCK_N", "BLOCK_K"):
         v = t[key]
@@ -718,6 +774,8 @@ def _gather_down(
 ) -> torch.Tensor:
     """act [T*K, I], w_down [E, H, I], idx / topw [T*K] -> out [T, H] (``dtype``). ``tiles`` already fitted."""
     T, H, inter = idx.numel() // top_k, w_down.shape[1], w_down.shape[2]
+    if tiles.get("PREFETCH") and top_k & (top_k - 1):  # its [TOP_K, ...] tiles need a power of two
+        tiles = {**tiles, "PREFETCH": 0}
     out = torch.empty((T, H), dtype=dtype, device=act.device)
     _moe_gather_down_kernel[(T, triton.cdiv(H, tiles["BLOCK_N"]))](
         act, w_down, out, idx, topw, H, inter,
@@ -932,6 +990,8 @@ def gather_w4a16_fits(x: torch.Tensor, gate_up: QuantExpertWeights) -> bool:
 
 
 def _wide_tiles(default: dict[str, int], override: dict[str, int] | None, n: int, kd: int) -> dict[str, int]:
+    if override:
+        _check_tile_keys(override, _TILE_KEYS)  # no PREFETCH / EVICT_FIRST: the bf16 gather kernels' keys
     t = _gather_tiles(default, override, n, kd)
     t["BLOCK_N"], t["BLOCK_K"] = max(2, t["BLOCK_N"]), max(32, t["BLOCK_K"])  # two row sets; 32-element chunks
     return t
@@ -1456,31 +1516,66 @@ def sweep(tokens: tuple[int, ...] = SWEEP_TOKENS, file=None) -> list[dict]:
     return rows
 
 
-def tile_sweep(tokens: tuple[int, ...] = (1, 8), file=None) -> list[dict]:
+GATHER_TILE_GRID = tuple(
+    {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for n in (4, 8, 16, 32) for k in (128, 256, 512) for w in (2, 4, 8)
+)
+# The prefetching form of the bf16 gather kernels (12-05; not yet timed on a GPU). In the 26B-A4B batch-1 profile
+# (docs/h200-runs/2026-12-05/6-ab_c1_profile.json) the gather kernels take 19.1 + 12.2 us per layer for 63 + 32 MB
+# of expert weights (14.7 + 7.4 us at 4.3 TB/s): the 8 x 128 default tiles are 22 masked steps of 8-byte loads with
+# no load in flight across steps. The bf16 GEMV of the same session gained 1.3x from the next step's tile loaded
+# before this step's FMAs (qkv 16384 x 5376: 61.9 -> 47.1 us at 4 x 2048); these candidates try that here, with
+# 16-byte loads (BLOCK_K >= 8 x 32 x num_warps) and evict-first weight loads as a second key.
+GATHER_PREFETCH_GRID = tuple(
+    {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "PREFETCH": 1, "EVICT_FIRST": e}
+    for n in (4, 8, 16) for k in (256, 512, 1024) for w in (2, 4) for e in (0, 1)
+)  # fmt: skip
+
+
+def tile_sweep(
+    tokens: tuple[int, ...] = (1, 8),
+    file=None,
+    grid: tuple[dict[str, int], ...] = GATHER_TILE_GRID,
+    E: int = 128,
+    H: int = 2816,
+    I: int = 704,  # noqa: E741 (the intermediate size, as in the model config)
+    K: int = 8,
+    device: str = "cuda",
+) -> list[dict]:
     """Each gather kernel alone over a grid of tiles (26B-A4B shapes, bf16, CUDA-graph replays, L2 flushed): one
-    JSON line per (kernel, T, tiles), to choose GATHER_GATE_UP_TILES / GATHER_DOWN_TILES by measurement."""
+    JSON line per (kernel, T, tiles) with the time and the relative error against the default tiles' output (or the
+    error of a tile that does not compile), to choose GATHER_GATE_UP_TILES / GATHER_DOWN_TILES by measurement. The
+    defaults are timed first in every grid."""
     file = file or sys.stdout
-    H, inter, E, K = 2816, 704, 128, 8
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    gu = torch.randn(E, 2 * inter, H, device="cuda", generator=gen, dtype=torch.bfloat16)
-    dn = torch.randn(E, H, inter, device="cuda", generator=gen, dtype=torch.bfloat16)
-    grid = [
-        {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for n in (4, 8, 16, 32) for k in (128, 256, 512) for w in (2, 4, 8)
-    ]
+    inter = I
+    gen = torch.Generator(device=device).manual_seed(0)
+    gu = torch.randn(E, 2 * inter, H, device=device, generator=gen).to(torch.bfloat16)
+    dn = torch.randn(E, H, inter, device=device, generator=gen).to(torch.bfloat16)
+    grid = ({},) + tuple(grid)  # {}: the defaults
     rows = []
     for T in tokens:
-        x, w, idx = _random_tokens(T, H, E, K, gen, "cuda")
+        x, w, idx = _random_tokens(T, H, E, K, gen, device)
         ti, tw = idx.reshape(-1).contiguous(), w.reshape(-1).contiguous()
         act = _gather_gate_up(x, gu, ti, tw, K, _gather_tiles(GATHER_GATE_UP_TILES, None, inter, H))
+        t_down = _gather_tiles(GATHER_DOWN_TILES, None, H, inter)
+        want = {"gate_up": act, "down": _gather_down(act, dn, ti, tw, K, t_down, x.dtype)}
         for kernel in ("gate_up", "down"):
             for tiles in grid:
-                if kernel == "gate_up":
-                    t = _gather_tiles(GATHER_GATE_UP_TILES, tiles, inter, H)
-                    ms = graph_ms(functools.partial(_gather_gate_up, x, gu, ti, tw, K, t))
-                else:
-                    t = _gather_tiles(GATHER_DOWN_TILES, tiles, H, inter)
-                    ms = graph_ms(functools.partial(_gather_down, act, dn, ti, tw, K, t, x.dtype))
-                r = {"kernel": kernel, "T": T, "tiles": t, "graph_us": round(ms * 1e3, 2)}
+                r = {"kernel": kernel, "T": T, "tiles": tiles}
+                try:
+                    if kernel == "gate_up":
+                        r["tiles"] = t = _gather_tiles(GATHER_GATE_UP_TILES, tiles, inter, H)
+                        run = functools.partial(_gather_gate_up, x, gu, ti, tw, K, t)
+                    else:
+                        r["tiles"] = t = _gather_tiles(GATHER_DOWN_TILES, tiles, H, inter)
+                        run = functools.partial(_gather_down, act, dn, ti, tw, K, t, x.dtype)
+                    ms = graph_ms(run)
+                    got = run()
+                except Exception as exc:  # a bad tile, or one that does not compile (registers, shared memory)
+                    r["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                else:  # against the default tiles' output (accumulation order)
+                    ref = want[kernel].float()
+                    r |= {"graph_us": round(ms * 1e3, 2),
+                          "rel_err_vs_default": ((got.float() - ref).norm() / ref.norm()).item()}  # fmt: skip
                 rows.append(r)
                 print(json.dumps(r), file=file, flush=True)
     return rows
@@ -1496,15 +1591,16 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default=None, help="comma-separated batch sizes T")
     ap.add_argument(
         "--candidates", action="store_true",
-        help="with --tiles --quant: QUANT_CANDIDATE_GRID (2 / 8 warps, SWAP_AB; SCALES_VEC) beside the defaults",
+        help="with --tiles --quant: QUANT_CANDIDATE_GRID (2 / 8 warps, SWAP_AB; SCALES_VEC) beside the defaults; "
+        "with --tiles alone: the bf16 gather kernels' prefetching form (GATHER_PREFETCH_GRID)",
     )  # fmt: skip
     ap.add_argument(
         "--quant", choices=QUANT_EXPERT_FORMATS, default=None,
         help="with --sweep: quantised experts (sorted vs gather for nvfp4) instead of bf16",
     )  # fmt: skip
     args = ap.parse_args(argv)
-    if args.candidates and not (args.tiles and args.quant):
-        print("--candidates goes with --tiles --quant nvfp4|fp8 (the quantised sorted GEMMs' tile sweep)",
+    if args.candidates and not args.tiles:
+        print("--candidates goes with --tiles (the gather kernels' or, with --quant, the sorted GEMMs' tile sweep)",
               file=sys.stderr)  # fmt: skip
         return 2
     if not (args.sweep or args.tiles):
@@ -1522,7 +1618,7 @@ def _main(argv: list[str] | None = None) -> int:
         if args.quant:
             quant_tile_sweep(tokens, args.quant, grid=QUANT_CANDIDATE_GRID if args.candidates else QUANT_TILE_GRID)
         else:
-            tile_sweep()
+            tile_sweep(tokens or (1, 8), grid=GATHER_PREFETCH_GRID if args.candidates else GATHER_TILE_GRID)
         return 0
     if args.quant:
         quant_sweep(tokens or QUANT_SWEEP_TOKENS, args.quant)
