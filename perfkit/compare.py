@@ -447,12 +447,29 @@ def comparability_warnings(a: Loaded, b: Loaded, pairs: Iterable[tuple[Side, Sid
                 detail = ", ".join(f"repeat {r}: {j['compiles']} in {j.get('seconds', 0):.2f} s" for r, j in hit)
                 out.append(f"{sa.scenario}: {who} compiled Triton kernels inside its measured window ({detail}): its "
                            f"times include the compiles")  # fmt: skip
+        choices = [_gemv_choices(side) for side in (sa, sb)]
+        if None not in choices and choices[0] != choices[1]:
+            ca, cb = choices
+            who = (sa.arm, sb.arm) if same_file else ("A", "B")
+            diff = ", ".join(f"{k} {ca.get(k, '-')} / {cb.get(k, '-')}" for k in sorted(set(ca) | set(cb))
+                             if ca.get(k) != cb.get(k))  # fmt: skip
+            out.append(f"{sa.scenario}: decode_gemv=auto timed a different kernel choice per weight shape, {who[0]} / "
+                       f"{who[1]}: {diff}: the deltas include the choice")  # fmt: skip
         clocks = [_mean_sm_clock(side) for side in (sa, sb)]
         if None not in clocks and abs(clocks[1] / clocks[0] - 1) * 100 > CLOCK_WARN_PCT:  # type: ignore[operator]
             who = (sa.arm, sb.arm) if same_file else ("A", "B")
             out.append(f"{sa.scenario}: the mean SM clock differs, {who[0]} {clocks[0]:.0f} MHz, {who[1]} "
                        f"{clocks[1]:.0f} MHz (NVML): the deltas include the clock difference")  # fmt: skip
     return out
+
+
+def _gemv_choices(side: Side) -> dict[str, str] | None:
+    """decode_gemv=auto's kernel per weight shape ("NxK" -> a gemv tile or "cublas") from a side's first repeat;
+    None for other modes and older results. Two runs (or GPUs) can time a near-tie differently."""
+    g = side.repeats[0].runtime.get("decode_gemv") if side.repeats else None
+    if not isinstance(g, dict) or g.get("mode") != "auto":
+        return None
+    return {k: str(v.get("best") if isinstance(v, dict) else v) for k, v in (g.get("shapes") or {}).items()}
 
 
 def _mean_sm_clock(side: Side) -> float | None:

@@ -229,6 +229,28 @@ def test_jit_compiles_in_a_measured_window_are_a_warning(tmp_path):
     ]
 
 
+def test_a_different_decode_gemv_choice_is_a_warning(tmp_path):
+    """decode_gemv=auto times cuBLAS and the gemv tiles per weight shape when the engine starts (runtime.decode_gemv,
+    since 12-05): sides whose timed choices differ are flagged shape by shape; the toggle's own A/B (auto against
+    cublas) and results without the field are not."""
+    r = requests_for("decode", "a", 0, _fixed(10, 40, 1, 5), _fixed(10, 8, 0.1, 5))
+    rb = requests_for("decode", "b", 0, _fixed(10, 44, 1, 5), _fixed(10, 9, 0.1, 5))
+    sa = scenario_from_requests("decode", "a", 0, r)
+    sb = scenario_from_requests("decode", "b", 0, rb)
+    assert not any("decode_gemv" in w for w in cmp.compare(write_run(tmp_path / "x", [sa, sb], r + rb)).warnings)
+    row = {"cublas_us": 56.77, "best": "16x512w4e", "best_us": 56.4}
+    sa.runtime["decode_gemv"] = {"mode": "auto", "shapes": {"5376x21504": row, "128x2816": {"best": "4x512w2"}}}
+    sb.runtime["decode_gemv"] = {"mode": "cublas", "shapes": {}}
+    assert not any("decode_gemv" in w for w in cmp.compare(write_run(tmp_path / "y", [sa, sb], r + rb)).warnings)
+    sb.runtime["decode_gemv"] = {"mode": "auto", "shapes": {"5376x21504": {**row, "best": "cublas"},
+                                                          "128x2816": {"best": "4x512w2"}}}  # fmt: skip
+    w = cmp.compare(write_run(tmp_path / "z", [sa, sb], r + rb)).warnings
+    assert [x for x in w if "decode_gemv" in x] == [
+        "decode: decode_gemv=auto timed a different kernel choice per weight shape, a / b: 5376x21504 16x512w4e / "
+        "cublas: the deltas include the choice"
+    ]
+
+
 def test_telemetry_rows_and_a_clock_difference_warning(tmp_path):
     """NVML's summary (telemetry.summary) gives rows per scenario: SM clock (higher is better), power and the
     throttled fraction (lower), means by default, maxima on request. Mean SM clocks more than CLOCK_WARN_PCT
