@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -48,6 +47,7 @@ import triton
 import triton.language as tl
 
 from perfkit.kernels.launch import interpreting
+from perfkit.kernels.timing import graph_sequence_us
 from perfkit.kernels.w4a16_gemm import HBM_BYTES_PER_S
 
 MAX_BLOCK_M = 4  # the most rows of x one program takes (more rows: the weight is streamed once per 4 rows)
@@ -189,34 +189,6 @@ def gemv_traffic(M: int, N: int, K: int, elem_bytes: int = 2) -> dict[str, float
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _sequence_us(fn, weights: Sequence[torch.Tensor], calls: int, replays: int) -> float:
-    """Median us per call of ``fn(w)`` over ``calls`` calls cycling through ``weights``, captured in one CUDA
-    graph (back to back, as in a decode step's graph; distinct weights keep L2 from serving a re-read)."""
-    seq = [weights[i % len(weights)] for i in range(calls)]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for w in seq:  # compile / warm up outside the capture
-            fn(w)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in seq:
-            fn(w)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
-
-
 def time_gemv_choice(
     weights: Sequence[torch.Tensor],
     tiles: Sequence[GemvConfig] = GEMV_TILES,
@@ -235,12 +207,12 @@ def time_gemv_choice(
     out = torch.empty(1, N, dtype=w0.dtype, device=w0.device)
     row: dict = {"N": N, "K": K, "dtype": str(w0.dtype).removeprefix("torch."), "weights": len(weights),
                  "bound_us": round(gemv_traffic(1, N, K, w0.element_size())["bound_us"], 2)}  # fmt: skip
-    row["cublas_us"] = round(_sequence_us(lambda w: torch.mm(x, w.t(), out=out), weights, calls, replays), 2)
+    row["cublas_us"] = round(graph_sequence_us(lambda w: torch.mm(x, w.t(), out=out), weights, calls, replays), 2)
     row["tiles"] = {}
     best, best_us = "cublas", row["cublas_us"]
     for cfg in tiles:
         try:
-            us = round(_sequence_us(lambda w, cfg=cfg: gemv(x, w, cfg, out=out), weights, calls, replays), 2)
+            us = round(graph_sequence_us(lambda w, cfg=cfg: gemv(x, w, cfg, out=out), weights, calls, replays), 2)
         except Exception as exc:  # a tile that does not compile here: recorded, never chosen
             row["tiles"][cfg.label] = f"{type(exc).__name__}: {exc}"[:200]
             continue

@@ -735,11 +735,13 @@ def _check_tile_keys(override: dict[str, int], allowed: tuple[str, ...]) -> None
         raise ValueError(f"unknown tile keys {bad}; allowed: {', '.join(allowed)}")
 
 
-def _gather_tiles(default: dict[str, int], override: dict[str, int] | None, n: int, kd: int) -> dict[str, int]:
-    """Default tiles with a per-call override merged in, then shrunk for small problems (tests)."""
+def _gather_tiles(
+    default: dict[str, int], override: dict[str, int] | None, n: int, kd: int, keys: tuple[str, ...] = _GATHER_TILE_KEYS
+) -> dict[str, int]:
+    """Default tiles with a per-call override (of ``keys``) merged in, then shrunk for small problems (tests)."""
     t = dict(default)
     if override:
-        _check_tile_keys(override, _GATHER_TILE_KEYS)
+        _check_tile_keys(override, keys)
         t.update(override)
     for key in ("BLOCK_N", "BLOCK_K"):
         v = t[key]
@@ -990,9 +992,7 @@ def gather_w4a16_fits(x: torch.Tensor, gate_up: QuantExpertWeights) -> bool:
 
 
 def _wide_tiles(default: dict[str, int], override: dict[str, int] | None, n: int, kd: int) -> dict[str, int]:
-    if override:
-        _check_tile_keys(override, _TILE_KEYS)  # no PREFETCH / EVICT_FIRST: the bf16 gather kernels' keys
-    t = _gather_tiles(default, override, n, kd)
+    t = _gather_tiles(default, override, n, kd, _TILE_KEYS)  # no PREFETCH / EVICT_FIRST: the bf16 kernels' keys
     t["BLOCK_N"], t["BLOCK_K"] = max(2, t["BLOCK_N"]), max(32, t["BLOCK_K"])  # two row sets; 32-element chunks
     return t
 

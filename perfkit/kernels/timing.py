@@ -1,8 +1,10 @@
-"""Kernel timing shared by the kernel benchmarks (W4A16, MoE): CUDA-graph replays, L2 flushed between them."""
+"""Kernel timing shared by the kernel benchmarks (W4A16, MoE, GEMV): CUDA-graph replays, either one call with L2
+flushed between replays (``graph_ms``) or a sequence of calls back to back (``graph_sequence_us``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
@@ -23,3 +25,31 @@ def graph_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> floa
     with torch.cuda.graph(g):
         fn()
     return triton.testing.do_bench(g.replay, warmup=warmup, rep=rep, return_mode="median")
+
+
+def graph_sequence_us(fn: Callable[[object], object], args: Sequence[object], calls: int, replays: int) -> float:
+    """Median us per call of ``fn(a)`` over ``calls`` calls cycling through ``args``, captured in one CUDA graph
+    (back to back, as in a decode step's graph; distinct weights as ``args`` keep L2 from serving a re-read)."""
+    seq = [args[i % len(args)] for i in range(calls)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for a in seq:  # compile / warm up outside the capture
+            fn(a)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for a in seq:
+            fn(a)
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return statistics.median(times)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from perfkit.kernels.gemv import _sequence_us
+from perfkit.kernels.timing import graph_sequence_us
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -97,8 +97,8 @@ def run_chain(arm: str, xs, ws):
 
 
 def time_graph(fn, replays: int = 15) -> float:
-    """Median us of one replay of a CUDA graph of fn() (perfkit.kernels.gemv's graph timing with one call)."""
-    return _sequence_us(lambda _: fn(), [None], calls=1, replays=replays)
+    """Median us of one replay of a CUDA graph of fn() (perfkit.kernels.timing, one call)."""
+    return graph_sequence_us(lambda _: fn(), [None], calls=1, replays=replays)
 
 
 def main() -> None:
