@@ -103,6 +103,14 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "faster when the engine timed both on the model's own weights at start (CUDA only; the timings go into the "
         "result's runtime.decode_gemv); no effect with fused_kernels off or on quantised linears",
     ),
+    "pdl": (
+        ("auto", "on", "off"),
+        "off",
+        "programmatic dependent launch (sm_90+): the fused path's Triton kernels and the Triton decode attention "
+        "launch so that each may start while the kernel before it drains, waiting on the device for its inputs "
+        "(on), vs plain launches (off); the same kernels and arithmetic, so the tokens are identical; auto = on "
+        "where the GPU supports it; cuBLAS, FlashInfer and torch kernels always launch plainly",
+    ),
     "attention": (
         ("auto", "flashinfer", "torch"),
         "auto",
@@ -141,9 +149,10 @@ class Toggles(BaseModel):
     moe_prefill: Literal["auto", "quantized", "dequant"] = "auto"
     decode_attention: Literal["auto", "flashinfer", "triton"] = "auto"
     decode_gemv: Literal["auto", "cublas", "triton"] = "auto"
+    pdl: Literal["auto", "on", "off"] = "off"
     attention: Literal["auto", "flashinfer", "torch"] = "auto"
 
-    @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", mode="before")
+    @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", "pdl", mode="before")
     @classmethod
     def _on_off(cls, value: Any) -> Any:
         return _yaml_on_off(value)
@@ -165,9 +174,10 @@ class PartialToggles(BaseModel):
     moe_prefill: Literal["auto", "quantized", "dequant"] | None = None
     decode_attention: Literal["auto", "flashinfer", "triton"] | None = None
     decode_gemv: Literal["auto", "cublas", "triton"] | None = None
+    pdl: Literal["auto", "on", "off"] | None = None
     attention: Literal["auto", "flashinfer", "torch"] | None = None
 
-    @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", mode="before")
+    @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", "pdl", mode="before")
     @classmethod
     def _on_off(cls, value: Any) -> Any:
         return _yaml_on_off(value)

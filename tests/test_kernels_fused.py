@@ -663,6 +663,8 @@ def test_gather_tile_sweep_flow_on_cpu(monkeypatch):
     ok = [r for r in rows if "error" not in r]
     assert len(ok) == 6 and all(r["rel_err_vs_default"] < 1e-2 and r["graph_us"] == 1000.0 for r in ok)
     assert all("power of 2" in r["error"] for r in rows if "error" in r)  # BLOCK_N 12, recorded per kernel
+    rows = moe.tile_sweep((2,), file=io.StringIO(), grid=grid[:1], down_grid=(), E=4, H=80, I=40, K=2, device=DEVICE)
+    assert [(r["kernel"], r["tiles"].get("PREFETCH", 0)) for r in rows] == [("gate_up", 0), ("gate_up", 1), ("down", 0)]
 
 
 def test_traffic_formulas():
@@ -879,8 +881,8 @@ def test_gpu_moe_26b(T, path):
     out = fused_moe(x, gu, dn, w, idx, path=path)
     check(out, fused_moe_ref(x, gu, dn, w, idx), BF16, rtol=2e-2, atol_rel=2e-2)
     if path == "gather":  # the prefetching form's candidate tiles compile and agree at real shapes
-        for tiles in moe.GATHER_PREFETCH_GRID[::7]:
-            out = fused_moe(x, gu, dn, w, idx, path=path, gate_up_tiles=tiles, down_tiles=tiles)
+        for tiles, down in zip(moe.GATHER_PREFETCH_GRID[::7], moe.GATHER_DOWN_PREFETCH_GRID[::5], strict=False):
+            out = fused_moe(x, gu, dn, w, idx, path=path, gate_up_tiles=tiles, down_tiles=down)
             check(out, fused_moe_ref(x, gu, dn, w, idx), BF16, rtol=2e-2, atol_rel=2e-2)
 
 

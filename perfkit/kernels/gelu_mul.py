@@ -15,6 +15,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from perfkit.kernels.pdl import pdl_enter, pdl_launch
+
 # --------------------------------------------------------------------------------------------------------------
 # Triton kernel
 # --------------------------------------------------------------------------------------------------------------
@@ -35,7 +37,9 @@ def _gelu_mul_kernel(
     stride_g,
     stride_u,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = cols < N
@@ -54,8 +58,9 @@ def _rows2d(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def gelu_mul(gate: torch.Tensor, up: torch.Tensor, block_n: int = 1024) -> torch.Tensor:
-    """``gelu_tanh(gate) * up`` elementwise; same shapes (leading dims flattened), output dtype = gate's."""
+def gelu_mul(gate: torch.Tensor, up: torch.Tensor, block_n: int = 1024, pdl: bool = False) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` elementwise; same shapes (leading dims flattened), output dtype = gate's. pdl:
+    launch with programmatic dependent launch (perfkit/kernels/pdl.py; sm_90+ only)."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
     g2, u2 = _rows2d(gate), _rows2d(up)
@@ -65,17 +70,18 @@ def gelu_mul(gate: torch.Tensor, up: torch.Tensor, block_n: int = 1024) -> torch
         return out
     block_n = min(block_n, triton.next_power_of_2(N))
     _gelu_mul_kernel[(R, triton.cdiv(N, block_n))](
-        g2, u2, out.view(R, N), N, g2.stride(0), u2.stride(0), BLOCK_N=block_n, num_warps=max(1, min(8, block_n // 256))
-    )
+        g2, u2, out.view(R, N), N, g2.stride(0), u2.stride(0), BLOCK_N=block_n, num_warps=max(1, min(8, block_n // 256)),
+        **pdl_launch(pdl),
+    )  # fmt: skip
     return out
 
 
-def gelu_mul_cat(gate_up: torch.Tensor) -> torch.Tensor:
+def gelu_mul_cat(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """[..., 2N] concatenated (gate | up) -> [..., N]: the fused gate_up GEMM layout (rows 0..N-1 gate)."""
     n = gate_up.shape[-1] // 2
     if gate_up.shape[-1] != 2 * n:
         raise ValueError(f"last dim {gate_up.shape[-1]} is not even")
-    return gelu_mul(gate_up[..., :n], gate_up[..., n:])
+    return gelu_mul(gate_up[..., :n], gate_up[..., n:], pdl=pdl)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from perfkit.kernels.launch import interpreting
+from perfkit.kernels.pdl import pdl_enter, pdl_launch
 from perfkit.kernels.timing import graph_sequence_us
 from perfkit.kernels.w4a16_gemm import HBM_BYTES_PER_S
 
@@ -70,6 +71,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVICT: tl.constexpr,  # "evict_first" (streaming weight loads) or ""
+    PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py): the first weight tile loads first
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -85,6 +87,7 @@ def _gemv_kernel(
     # the first step's tile (all-true mask, or no full step at all); each iteration loads the next one before its
     # FMAs, the last iteration's "next" clamped onto itself (an L2 re-read instead of a mask)
     w = tl.load(w_ptrs, mask=(k < k_main)[None, None, :], other=0.0, eviction_policy=EVICT)
+    pdl_enter(PDL)  # x is the predecessor's output; the weight is constant, so its first tile is already in flight
     for k0 in range(0, k_main, BLOCK_K):
         x = tl.load(x_ptrs + k0)
         w_next = tl.load(w_ptrs + tl.minimum(k0 + BLOCK_K, k_main - BLOCK_K), eviction_policy=EVICT)
@@ -148,9 +151,13 @@ def default_tile(N: int, K: int) -> GemvConfig:
     return GEMV_TILES[2]
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None, out: torch.Tensor | None = None):
+def gemv(
+    x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None, out: torch.Tensor | None = None,
+    pdl: bool = False,
+):  # fmt: skip
     """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype (``out`` if given). x and w share a dtype and have unit stride
-    along K. Meant for M = 1; larger M is correct but streams the weight once per MAX_BLOCK_M rows."""
+    along K. Meant for M = 1; larger M is correct but streams the weight once per MAX_BLOCK_M rows. pdl: launch
+    with programmatic dependent launch (perfkit/kernels/pdl.py; sm_90+ only)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != w.dtype:
         raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} and w {tuple(w.shape)} {w.dtype} do not match")
     if x.stride(1) != 1 or w.stride(1) != 1:
@@ -169,6 +176,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None, out
     _gemv_kernel[grid](
         x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVICT="evict_first" if cfg.evict_first else "", num_warps=cfg.num_warps,
+        **pdl_launch(pdl),
     )  # fmt: skip
     return out
 
@@ -194,10 +202,13 @@ def time_gemv_choice(
     tiles: Sequence[GemvConfig] = GEMV_TILES,
     calls: int = TIMING_CALLS,
     replays: int = TIMING_REPLAYS,
+    pdl: bool = False,
 ) -> dict:
     """Time cuBLAS (``x @ w^T``) and each tile at M = 1 on CUDA ``weights`` (one [N, K] shape and dtype, e.g. the
     same projection of every layer): {"cublas_us", "tiles": {label: us}, "best": label or "cublas", "best_us"}.
-    The winner must beat cuBLAS outright; a tile that fails to compile is recorded as its error string."""
+    The winner must beat cuBLAS outright; a tile that fails to compile is recorded as its error string. pdl: the
+    tiles launch with PDL, as the engine will run them (a chain of them then overlaps each call's start with the
+    previous one's end; cuBLAS never does)."""
     w0 = weights[0]
     if any(w.shape != w0.shape or w.dtype != w0.dtype for w in weights):
         raise ValueError("time_gemv_choice: the weights must share one shape and dtype")
@@ -205,14 +216,14 @@ def time_gemv_choice(
     gen = torch.Generator(device=w0.device).manual_seed(0)
     x = (torch.randn(1, K, device=w0.device, generator=gen) * 0.5).to(w0.dtype)
     out = torch.empty(1, N, dtype=w0.dtype, device=w0.device)
-    row: dict = {"N": N, "K": K, "dtype": str(w0.dtype).removeprefix("torch."), "weights": len(weights),
+    row: dict = {"N": N, "K": K, "dtype": str(w0.dtype).removeprefix("torch."), "weights": len(weights), "pdl": pdl,
                  "bound_us": round(gemv_traffic(1, N, K, w0.element_size())["bound_us"], 2)}  # fmt: skip
     row["cublas_us"] = round(graph_sequence_us(lambda w: torch.mm(x, w.t(), out=out), weights, calls, replays), 2)
     row["tiles"] = {}
     best, best_us = "cublas", row["cublas_us"]
     for cfg in tiles:
         try:
-            us = round(graph_sequence_us(lambda w, cfg=cfg: gemv(x, w, cfg, out=out), weights, calls, replays), 2)
+            us = round(graph_sequence_us(lambda w, c=cfg: gemv(x, w, c, out=out, pdl=pdl), weights, calls, replays), 2)
         except Exception as exc:  # a tile that does not compile here: recorded, never chosen
             row["tiles"][cfg.label] = f"{type(exc).__name__}: {exc}"[:200]
             continue

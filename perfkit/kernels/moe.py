@@ -84,6 +84,7 @@ import triton.language as tl
 
 from perfkit.kernels.fp8 import quantize_fp8_rowwise
 from perfkit.kernels.launch import interpreting
+from perfkit.kernels.pdl import pdl_enter, pdl_launch
 from perfkit.kernels.timing import graph_ms
 from perfkit.kernels.w4a16_gemm import (
     _asm,
@@ -144,7 +145,9 @@ def _moe_routing_kernel(
     TOP_K: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     z = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
@@ -438,8 +441,10 @@ def _moe_gather_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr = 0,  # 1: unmasked steps, the next step's tiles loaded before this one's FMAs
     EVICT_FIRST: tl.constexpr = 0,  # 1 (with PREFETCH): weight loads marked evict-first
+    PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
 ):
     """One program per (pair p, BLOCK_N rows of I): two GEMVs (gate, up) of x[p // K] with expert idx[p]."""
+    pdl_enter(PDL)  # the expert ids come from the routing kernel just before
     p = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     e = tl.load(idx_ptr + p).to(tl.int64)  # on the device: no host sync
@@ -508,6 +513,7 @@ def _moe_gather_down_kernel(
     BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr = 0,  # 1: all slots' tiles as one [TOP_K, BLOCK_N, BLOCK_K] load, the next step's first
     EVICT_FIRST: tl.constexpr = 0,  # 1 (with PREFETCH): weight loads marked evict-first
+    PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
 ):
     """One program per (token t, BLOCK_N rows of H): out[t, n] = sum_k w[t, k] * act[t*K + k] . Wd[e_k][n].
 
@@ -515,6 +521,7 @@ def _moe_gather_down_kernel(
     the slots are added into one fp32 accumulator in slot order (deterministic), reduced once, stored once.
     PREFETCH: the K slots' tiles are one 3-D load (TOP_K a power of two), the next step's loaded before this one's
     FMAs; the slots are summed per lane, then over K once at the end (another fp32 order)."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -541,8 +548,8 @@ def _moe_gather_down_kernel(
         if i_main < inter:  # the I tail: one masked step
             km = offs_k < inter - i_main
             a = tl.load(a_ptrs + i_main, mask=km[None, :], other=0.0).to(tl.float32) * wts[:, None]
-            wv = tl.load(w_ptrs + i_main, mask=live & km[None, None, :], other=0.0).to(tl.float32)
-            acc3 += wv * a[:, None, :]
+            w_tail = tl.load(w_ptrs + i_main, mask=live & km[None, None, :], other=0.0).to(tl.float32)
+            acc3 += w_tail * a[:, None, :]  # (a new name: reassigning wv would change its type inside the if)
         y = tl.sum(tl.sum(acc3, axis=2), axis=0)  # [BLOCK_N]
     else:
         w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K], expert 0
@@ -649,8 +656,11 @@ def _moe_gather_down_w4a16_kernel(
 # --------------------------------------------------------------------------------------------------------------
 
 
-def moe_routing(logits: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, E] logits -> (weights fp32 [T, K], expert ids int32 [T, K]) in HF order (renormalise, then scale)."""
+def moe_routing(
+    logits: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor, pdl: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] logits -> (weights fp32 [T, K], expert ids int32 [T, K]) in HF order (renormalise, then scale).
+    pdl: launch with programmatic dependent launch (perfkit/kernels/pdl.py; sm_90+ only)."""
     T, E = logits.shape
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k {top_k} must be in [1, {E}]")
@@ -663,6 +673,7 @@ def moe_routing(logits: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor
         _moe_routing_kernel[(T,)](
             logits, per_expert_scale, w, idx, E, logits.stride(0),
             TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=block_e, num_warps=max(1, min(4, block_e // 64)),
+            **pdl_launch(pdl),
         )  # fmt: skip
     return w, idx
 
@@ -753,14 +764,15 @@ def _gather_tiles(
 
 
 def _gather_gate_up(
-    x: torch.Tensor, w_gate_up: torch.Tensor, idx: torch.Tensor, topw: torch.Tensor, top_k: int, tiles: dict
-) -> torch.Tensor:
+    x: torch.Tensor, w_gate_up: torch.Tensor, idx: torch.Tensor, topw: torch.Tensor, top_k: int, tiles: dict,
+    pdl: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """x [T, H], w_gate_up [E, 2I, H], idx / topw [T*K] -> act [T*K, I] (x's dtype). ``tiles`` already fitted."""
     P, inter, H = idx.numel(), w_gate_up.shape[1] // 2, x.shape[1]
     act = torch.empty((P, inter), dtype=x.dtype, device=x.device)
     _moe_gather_gate_up_kernel[(P, triton.cdiv(inter, tiles["BLOCK_N"]))](
         x, w_gate_up, act, idx, topw, inter, H, top_k,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), **tiles,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), **tiles, **pdl_launch(pdl),
     )  # fmt: skip
     return act
 
@@ -773,6 +785,7 @@ def _gather_down(
     top_k: int,
     tiles: dict,
     dtype: torch.dtype,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """act [T*K, I], w_down [E, H, I], idx / topw [T*K] -> out [T, H] (``dtype``). ``tiles`` already fitted."""
     T, H, inter = idx.numel() // top_k, w_down.shape[1], w_down.shape[2]
@@ -781,7 +794,7 @@ def _gather_down(
     out = torch.empty((T, H), dtype=dtype, device=act.device)
     _moe_gather_down_kernel[(T, triton.cdiv(H, tiles["BLOCK_N"]))](
         act, w_down, out, idx, topw, H, inter,
-        act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), TOP_K=top_k, **tiles,
+        act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), TOP_K=top_k, **tiles, **pdl_launch(pdl),
     )  # fmt: skip
     return out
 
@@ -794,13 +807,16 @@ def _fused_moe_gather(
     topk_idx: torch.Tensor,
     gate_up_tiles: dict[str, int] | None = None,
     down_tiles: dict[str, int] | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Decode path: two kernels, no align / sort, no separate combine (see module doc)."""
     H, inter, K = x.shape[1], w_down.shape[2], topk_idx.shape[1]
     idx = topk_idx.reshape(-1).contiguous()  # [T*K]; a view of a contiguous [T, K] (no launch); a strided
     topw = topk_w.reshape(-1).contiguous()  # slice (w[:, :1] reshapes to a stride-K view) is copied
-    act = _gather_gate_up(x, w_gate_up, idx, topw, K, _gather_tiles(GATHER_GATE_UP_TILES, gate_up_tiles, inter, H))
-    return _gather_down(act, w_down, idx, topw, K, _gather_tiles(GATHER_DOWN_TILES, down_tiles, H, inter), x.dtype)
+    t1 = _gather_tiles(GATHER_GATE_UP_TILES, gate_up_tiles, inter, H)
+    act = _gather_gate_up(x, w_gate_up, idx, topw, K, t1, pdl)
+    t2 = _gather_tiles(GATHER_DOWN_TILES, down_tiles, H, inter)
+    return _gather_down(act, w_down, idx, topw, K, t2, x.dtype, pdl)
 
 
 def _sorted_plan(
@@ -1099,6 +1115,7 @@ def fused_moe(
     block_m: int | None = None,
     gate_up_tiles: dict[str, int] | None = None,
     down_tiles: dict[str, int] | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Routed GeGLU experts: x [T, H], w_gate_up [E, 2I, H] (gate rows first), w_down [E, H, I],
     topk_w [T, K] (applied to each expert's output), topk_idx [T, K] (int32 or int64, each in [0, E): not
@@ -1107,7 +1124,9 @@ def fused_moe(
     path: "auto" (gather when T*K <= ``MOE_GATHER_MAX_PAIRS``, else sorted), "gather" or "sorted" (module doc).
     block_m: the sorted path's rows per expert block. gate_up_tiles / down_tiles: the gather path's tiles,
     any of {BLOCK_N, BLOCK_K (powers of 2), num_warps, num_stages} over ``GATHER_GATE_UP_TILES`` /
-    ``GATHER_DOWN_TILES`` (for sweeps)."""
+    ``GATHER_DOWN_TILES`` (for sweeps). pdl: the gather path's kernels launch with programmatic dependent launch
+    (perfkit/kernels/pdl.py; sm_90+ only); the sorted path's never do (it runs above 32 tokens, where a launch's
+    latency is a small part of a kernel)."""
     chosen = select_moe_path(topk_idx.numel(), path)
     T, H = x.shape
     E, two_i, H2 = w_gate_up.shape
@@ -1123,7 +1142,7 @@ def fused_moe(
     w_gate_up = w_gate_up.contiguous()
     w_down = w_down.contiguous()
     if chosen == "gather":
-        return _fused_moe_gather(x, w_gate_up, w_down, topk_w, topk_idx, gate_up_tiles, down_tiles)
+        return _fused_moe_gather(x, w_gate_up, w_down, topk_w, topk_idx, gate_up_tiles, down_tiles, pdl)
     return _fused_moe_sorted(x, w_gate_up, w_down, topk_w, topk_idx, block_m)
 
 
@@ -1529,12 +1548,20 @@ GATHER_PREFETCH_GRID = tuple(
     {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "PREFETCH": 1, "EVICT_FIRST": e}
     for n in (4, 8, 16) for k in (256, 512, 1024) for w in (2, 4) for e in (0, 1)
 )  # fmt: skip
+# The down kernel's prefetching form holds all TOP_K slots' tiles at once ([TOP_K, BLOCK_N, BLOCK_K] fp32 partial
+# sums plus two bf16 tiles), so it takes smaller tiles: at TOP_K 8 the gate_up grid's 16 x 1024 would be 128 K
+# accumulators per program (its compile did not finish in 90 s on 12-06). At most 8 x 256 x 8 = 16 K here.
+GATHER_DOWN_PREFETCH_GRID = tuple(
+    {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "PREFETCH": 1, "EVICT_FIRST": e}
+    for n in (2, 4, 8) for k in (128, 256) for w in (4, 8) for e in (0, 1)
+)  # fmt: skip
 
 
 def tile_sweep(
     tokens: tuple[int, ...] = (1, 8),
     file=None,
     grid: tuple[dict[str, int], ...] = GATHER_TILE_GRID,
+    down_grid: tuple[dict[str, int], ...] | None = None,
     E: int = 128,
     H: int = 2816,
     I: int = 704,  # noqa: E741 (the intermediate size, as in the model config)
@@ -1544,14 +1571,15 @@ def tile_sweep(
     """Each gather kernel alone over a grid of tiles (26B-A4B shapes, bf16, CUDA-graph replays, L2 flushed): one
     JSON line per (kernel, T, tiles) with the time and the relative error against the default tiles' output (or the
     error of a tile that does not compile), to choose GATHER_GATE_UP_TILES / GATHER_DOWN_TILES by measurement. The
-    defaults are timed first in every grid."""
+    defaults are timed first in every grid. ``down_grid``: the down kernel's own grid (None: ``grid``); an empty
+    one times the down kernel's defaults only."""
     file = file or sys.stdout
     inter = I
     gen = torch.Generator(device=device).manual_seed(0)
     gu = torch.randn(E, 2 * inter, H, device=device, generator=gen).to(torch.bfloat16)
     dn = torch.randn(E, H, inter, device=device, generator=gen).to(torch.bfloat16)
-    grid = ({},) + tuple(grid)  # {}: the defaults
-    rows = []
+    grids = {"gate_up": ({},) + tuple(grid), "down": ({},) + tuple(grid if down_grid is None else down_grid)}
+    rows = []  # {}: the defaults
     for T in tokens:
         x, w, idx = _random_tokens(T, H, E, K, gen, device)
         ti, tw = idx.reshape(-1).contiguous(), w.reshape(-1).contiguous()
@@ -1559,7 +1587,7 @@ def tile_sweep(
         t_down = _gather_tiles(GATHER_DOWN_TILES, None, H, inter)
         want = {"gate_up": act, "down": _gather_down(act, dn, ti, tw, K, t_down, x.dtype)}
         for kernel in ("gate_up", "down"):
-            for tiles in grid:
+            for tiles in grids[kernel]:
                 r = {"kernel": kernel, "T": T, "tiles": tiles}
                 try:
                     if kernel == "gate_up":
@@ -1592,7 +1620,7 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--candidates", action="store_true",
         help="with --tiles --quant: QUANT_CANDIDATE_GRID (2 / 8 warps, SWAP_AB; SCALES_VEC) beside the defaults; "
-        "with --tiles alone: the bf16 gather kernels' prefetching form (GATHER_PREFETCH_GRID)",
+        "with --tiles alone: the bf16 gather kernels' prefetching form (GATHER_PREFETCH_GRID, GATHER_DOWN_PREFETCH_GRID)",
     )  # fmt: skip
     ap.add_argument(
         "--quant", choices=QUANT_EXPERT_FORMATS, default=None,
@@ -1618,7 +1646,10 @@ def _main(argv: list[str] | None = None) -> int:
         if args.quant:
             quant_tile_sweep(tokens, args.quant, grid=QUANT_CANDIDATE_GRID if args.candidates else QUANT_TILE_GRID)
         else:
-            tile_sweep(tokens or (1, 8), grid=GATHER_PREFETCH_GRID if args.candidates else GATHER_TILE_GRID)
+            if args.candidates:
+                tile_sweep(tokens or (1, 8), grid=GATHER_PREFETCH_GRID, down_grid=GATHER_DOWN_PREFETCH_GRID)
+            else:
+                tile_sweep(tokens or (1, 8))
         return 0
     if args.quant:
         quant_sweep(tokens or QUANT_SWEEP_TOKENS, args.quant)

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from perfkit.kernels.fp8 import FP8_DTYPE
 from perfkit.kernels.launch import interpreting
+from perfkit.kernels.pdl import pdl_enter, pdl_launch
 
 LOG2E = 1.4426950408889634
 
@@ -76,7 +77,9 @@ def _paged_decode_kernel(
     FP8: tl.constexpr,
     DIRECT: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter only: its bf16 tl.dot multiplies the raw uint16 bits, so dot in fp32
+    PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
 ):
+    pdl_enter(PDL)  # every program, before the lengths, the page ids, q and the cache (all written this step)
     b = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
@@ -156,10 +159,12 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # output columns per program (grid dim 2)
     BLOCK_S: tl.constexpr,  # splits per load
+    PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
 ):
     """Program (b, h, column block). The splits are read BLOCK_S at a time as one vector / tile load, so a merge of
     64 splits is two memory round trips per pass, not 64 dependent scalar loads (12-03's sweep: every extra split
     cost ~0.13 us at batch 1 with the scalar loop)."""
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     base = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
@@ -247,10 +252,12 @@ def paged_decode_attention(
     block_n: int = DECODE_BLOCK_N,
     num_warps: int = DECODE_NUM_WARPS,
     num_stages: int = DECODE_NUM_STAGES,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per row over its paged keys; q [B, H, D] (bf16 / fp16), cache
     [P, 2, page_size, KVH, D] (q's dtype or float8_e4m3fn), indices / indptr / kv_lens device int32 (see the
-    module docstring). Returns ``out`` [B, H, D] (q's dtype; written in place when given)."""
+    module docstring). Returns ``out`` [B, H, D] (q's dtype; written in place when given). pdl: both kernels
+    launch with programmatic dependent launch (perfkit/kernels/pdl.py; sm_90+ only)."""
     B, H, D = q.shape
     P, two, page_size, kvh, Dc = cache.shape
     if two != 2 or Dc != D or H % kvh:
@@ -280,13 +287,13 @@ def paged_decode_attention(
         c.stride(0), c.stride(1), c.stride(2), c.stride(3),
         num_splits, window or 0, float(k_scale) * LOG2E, float(v_scale),
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_N=block_n, FP8=fp8, DIRECT=direct,
-        UPCAST=interpreting(), num_warps=num_warps, num_stages=num_stages,
+        UPCAST=interpreting(), num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     if not direct:
         block_d = min(D, MERGE_BLOCK_D) if B * H <= MERGE_COLUMN_SPLIT_MAX_ROWS else D
         _merge_splits_kernel[(B, H, D // block_d)](
             part, lse, out, out.stride(0), out.stride(1), num_splits, float(v_scale),
-            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=MERGE_BLOCK_S, num_warps=4,
+            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=MERGE_BLOCK_S, num_warps=4, **pdl_launch(pdl),
         )  # fmt: skip
     return out
 

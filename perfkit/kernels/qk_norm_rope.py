@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from perfkit.kernels.fp8 import FP8_MAX, fp8_inv_scale, quantize_fp8_per_tensor
+from perfkit.kernels.pdl import pdl_enter, pdl_launch
 
 _E4M3_MAX = tl.constexpr(FP8_MAX)  # float8_e4m3fn's largest finite value, for the kernels
 
@@ -85,7 +86,9 @@ def _qk_norm_rope_kernel(
     WRITE_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HALF: tl.constexpr,
+    PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, HALF)
@@ -210,7 +213,9 @@ def _qkv_norm_rope_kernel(
     FP8: tl.constexpr,  # the destination is an fp8 cache
     BLOCK_H: tl.constexpr,
     HALF: tl.constexpr,
+    PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
 ):
+    pdl_enter(PDL)  # before the slot reads and the cache writes too
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     n_qb = tl.cdiv(NH, BLOCK_H)
@@ -256,6 +261,7 @@ def _launch(
     sin: torch.Tensor | None,
     eps: float,
     write_v: bool,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if x.dim() != 3 or x.shape[-1] % 2:
         raise ValueError(f"x must be [T, heads, hd] with an even hd, got {tuple(x.shape)}")
@@ -283,16 +289,18 @@ def _launch(
         x, x if weight is None else weight, c, s, out, out if v is None else v,
         NH, half, x.stride(0), x.stride(1), c.stride(0), s.stride(0), float(eps),
         HAS_W=weight is not None, HAS_ROPE=cos is not None, WRITE_V=write_v, BLOCK_H=block_h, HALF=HALF,
-        num_warps=max(1, min(8, block_h * HALF // 256)),
+        num_warps=max(1, min(8, block_h * HALF // 256)), **pdl_launch(pdl),
     )  # fmt: skip
     return out, v
 
 
 def qk_norm_rope(
-    x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """[T, heads, hd] raw q or k -> rope(norm(x) * weight) with cos/sin [T, hd/2]."""
-    return _launch(x, weight, cos, sin, eps, write_v=False)[0]
+    x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+    pdl: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """[T, heads, hd] raw q or k -> rope(norm(x) * weight) with cos/sin [T, hd/2]. pdl: launch with programmatic
+    dependent launch (perfkit/kernels/pdl.py; sm_90+ only)."""
+    return _launch(x, weight, cos, sin, eps, write_v=False, pdl=pdl)[0]
 
 
 def k_norm_rope_v_norm(
@@ -354,8 +362,10 @@ def qkv_norm_rope_split(
     sin: torch.Tensor,
     eps: float,
     kv_cache: KVCacheTarget | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """One launch for a decoder layer's q, k and v (see the module docstring).
+    """One launch for a decoder layer's q, k and v (see the module docstring); pdl: launch with programmatic
+    dependent launch (perfkit/kernels/pdl.py; sm_90+ only).
 
     q_raw [T, nh, hd], k_raw / v_raw [T, kvh, hd] raw projections (row-strided views allowed; v_raw None: K=V
     layer, v = v_norm(k_raw)); weights [hd]; cos/sin [T, hd/2]. Returns (q [T, nh, hd], k, v): k and v are
@@ -411,7 +421,7 @@ def qkv_norm_rope_split(
         stride_dst_t, stride_page, stride_slot, stride_dst_h, float(eps), k_inv, v_inv,
         K_EQ_V=v_raw is None, TO_CACHE=kv_cache is not None, FP8=fp8,
         BLOCK_H=block_h, HALF=HALF,
-        num_warps=max(1, min(8, block_h * HALF // 256)),
+        num_warps=max(1, min(8, block_h * HALF // 256)), **pdl_launch(pdl),
     )  # fmt: skip
     return q, k, v
 

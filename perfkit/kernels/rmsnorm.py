@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from perfkit.kernels.pdl import pdl_enter, pdl_launch
+
 # --------------------------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------------------------
@@ -55,7 +57,9 @@ def _rmsnorm_kernel(
     HAS_W: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
 ):
+    pdl_enter(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     rmask = rows < R
@@ -114,7 +118,9 @@ def _sandwich_kernel(
     HAS_SCALAR: tl.constexpr,
     NUM_NEXT: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     cm = cols < N
@@ -159,10 +165,12 @@ def rmsnorm(
     eps: float,
     residual: torch.Tensor | None = None,
     out_scale: float = 1.0,
+    pdl: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``norm(x) * weight * out_scale`` over the last dim, x of any leading shape ([T, H] or [T, heads, hd]).
 
     With ``residual``: returns ``(norm(x + residual) * weight, x + residual)``. Output dtype = x's dtype.
+    pdl: launch with programmatic dependent launch (perfkit/kernels/pdl.py; sm_90+ only).
     """
     shape, N = x.shape, x.shape[-1]
     x2 = _rows(x)
@@ -185,7 +193,7 @@ def rmsnorm(
         x2, r2, x2 if weight is None else weight, o2, ro2, R, N,
         x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0), float(eps), float(out_scale),
         HAS_RES=residual is not None, HAS_W=weight is not None, ROWS=rows, BLOCK_N=block_n,
-        num_warps=_warps(block_n * rows),
+        num_warps=_warps(block_n * rows), **pdl_launch(pdl),
     )  # fmt: skip
     return out if residual is None else (out, res_out)
 
@@ -200,11 +208,13 @@ def sandwich_rmsnorm(
     scalar: torch.Tensor | None = None,
     next_weights: Sequence[torch.Tensor] = (),
     next_mults: Sequence[float] | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``h = (residual + norm(t) * weight) * scalar``, ``t = x`` or, with ``x2 = (e, wa, wb)``,
     ``t = norm(x) * wa + norm(e) * wb``; returns ``(h, [norm(h) * w_j * mult_j for w_j in next_weights])``.
 
     x, residual, e: [T, H] (row-strided views allowed); weights [H]; scalar: a 1-element tensor (layer_scalar).
+    pdl: launch with programmatic dependent launch (perfkit/kernels/pdl.py; sm_90+ only).
     """
     if x.dim() != 2 or residual.shape != x.shape:
         raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must be equal 2-D shapes")
@@ -234,7 +244,7 @@ def sandwich_rmsnorm(
         xr, er, wa, wb, rr, weight, weight if scalar is None else scalar, h, *ws, *yp,
         N, xr.stride(0), er.stride(0), rr.stride(0), float(eps), *mp,
         HAS_X2=x2 is not None, HAS_SCALAR=scalar is not None, NUM_NEXT=len(next_weights), BLOCK_N=block_n,
-        num_warps=_warps(block_n),
+        num_warps=_warps(block_n), **pdl_launch(pdl),
     )  # fmt: skip
     return h, ys
 

@@ -69,8 +69,24 @@ def resolve_toggles(toggles: Toggles, device: str) -> Toggles:
     fused = toggles.fused_kernels
     if fused == "auto":  # the fast path where it runs natively; the interpreter is for tests, not runs
         fused = "on" if device == "cuda" else "off"
+    pdl = toggles.pdl
+    if pdl != "off":
+        ok = device == "cuda" and _pdl_available()
+        if pdl == "on" and not ok:
+            raise PerfkitError("toggles.pdl=on needs a CUDA GPU of compute capability 9.0 or newer (programmatic "
+                               "dependent launch); use pdl: off or auto")  # fmt: skip
+        pdl = "on" if ok else "off"
     return toggles.model_copy(update={"attention": attention, "cuda_graphs": cuda_graphs, "mask": mask,
-                                      "fused_kernels": fused})  # fmt: skip
+                                      "fused_kernels": fused, "pdl": pdl})  # fmt: skip
+
+
+def _pdl_available() -> bool:
+    """The visible CUDA GPU runs programmatic dependent launch (imports torch and Triton: call on CUDA only)."""
+    import torch
+
+    from perfkit.kernels.pdl import pdl_available
+
+    return pdl_available(torch.device("cuda"))
 
 
 def _check_supported(cfg: RunConfig) -> None:

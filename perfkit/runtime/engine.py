@@ -14,7 +14,8 @@ Toggles (settable on a live engine with `set_toggle`; both arms of every toggle 
   cuda_graphs=on|off (decode graphs; only with a backend that supports them, i.e. flashinfer)   overlap=on|off
   decode_attention=auto|flashinfer|triton (the decode rows' kernel under attention=flashinfer; rounding-level)
   decode_gemv=auto|cublas|triton (batch-1 decode's linears on the fused path: cuBLAS or perfkit's gemv;
-  rounding-level)
+  rounding-level)   pdl=on|off (the fused path's and the Triton decode's kernels launch with programmatic
+  dependent launch, sm_90+; the same kernels and arithmetic, so bit for bit)
 Three toggles change the arithmetic's order, so their arms agree to rounding rather than bit for bit:
   fused_kernels=on|off   moe_gather=gemv|kernels (NVFP4 experts at decode sizes; no effect on other models)
   moe_prefill=auto|quantized|dequant (NVFP4 / FP8 experts at prefill sizes; no effect on other models)
@@ -53,6 +54,7 @@ TOGGLES = {
     "moe_prefill": ("auto", "quantized", "dequant"),
     "decode_attention": ("auto", "flashinfer", "triton"),
     "decode_gemv": ("auto", "cublas", "triton"),
+    "pdl": ("on", "off"),
 }
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}  # fmt: skip
@@ -83,6 +85,7 @@ class EngineConfig:
     decode_use_tensor_cores: bool | None = None  # flashinfer decode; None = by pool and batch (measured rule)
     decode_attention: str = "auto"  # auto | flashinfer | triton: the decode rows' kernel (attention=flashinfer)
     decode_gemv: str = "cublas"  # auto | cublas | triton: one-row linears (Gemma4ForCausalLM.set_decode_gemv)
+    pdl: bool = False  # Triton kernels launch with programmatic dependent launch (perfkit/kernels/pdl.py; sm_90+)
     workspace_bytes: int = 256 << 20  # flashinfer float workspace, shared by every wrapper
     seed: int = 0  # sampling generators
 
@@ -158,8 +161,10 @@ class Engine:
         self._tokens = TokenTransfer(ec.max_batch_size, self.device)
         self._pending: _Launched | None = None  # overlap: the previous step, its ids not yet on the host
         self._validate_toggles(ec)
+        self._check_pdl(ec.pdl)
         model.set_fused(ec.fused_kernels)
-        self._gemv = model.set_decode_gemv(ec.decode_gemv)  # after set_fused: the merged shapes
+        model.set_pdl(ec.pdl)
+        self._gemv = model.set_decode_gemv(ec.decode_gemv)  # after set_fused (the merged shapes) and set_pdl
         model.set_moe_gather(ec.moe_gather)
         model.set_moe_prefill(ec.moe_prefill)
         if model.rope is None or model.rope.max_positions < ec.max_model_len:
@@ -172,6 +177,15 @@ class Engine:
         for name in ("attention", "page_table", "mask", "moe_gather", "moe_prefill", "decode_attention", "decode_gemv"):
             if getattr(ec, name) not in TOGGLES[name]:
                 raise PerfkitError(f"{name}={getattr(ec, name)!r}; allowed: {', '.join(TOGGLES[name])}")
+
+    def _check_pdl(self, on: bool) -> None:
+        if on:
+            from perfkit.kernels.pdl import pdl_available
+
+            if not pdl_available(self.device):
+                raise PerfkitError(
+                    f"pdl=on needs a CUDA GPU of compute capability 9.0 or newer (device {self.device}); use pdl=off"
+                )
 
     def _fp8_kv_scales(self) -> KVScales:
         """Fixed per-cache-layer scales from the k_norm weights (the RMSNorm bound; no calibration data exists
@@ -257,7 +271,7 @@ class Engine:
                 self._backends[name] = FlashInferBackend(
                     self.kv, workspace_bytes=self.ec.workspace_bytes,
                     decode_use_tensor_cores=self.ec.decode_use_tensor_cores, q_dtype=self.model.dtype,
-                    decode_kernel=self.ec.decode_attention, max_batch_size=self.ec.max_batch_size,
+                    decode_kernel=self.ec.decode_attention, max_batch_size=self.ec.max_batch_size, pdl=self.ec.pdl,
                 )  # fmt: skip
         return self._backends[name]
 
@@ -332,6 +346,16 @@ class Engine:
             self._gemv = self.model.set_decode_gemv(value)  # auto times each shape once per model
             self._graphs = None  # the batch-1 graph launches the other GEMMs: capture again
             self._sync_graphs()
+        elif name == "pdl" and on != self.ec.pdl:
+            self._check_pdl(on)
+            self.ec = replace(self.ec, pdl=on)
+            self.model.set_pdl(on)
+            fi = self._backends.get("flashinfer")  # the torch backend launches no Triton kernel
+            if fi is not None:
+                fi.pdl = on
+            self._gemv = self.model.set_decode_gemv(self.ec.decode_gemv)  # decode_gemv=auto timed with / without
+            self._graphs = None  # the captured graphs launch without / with it: capture again
+            self._sync_graphs()
         elif name == "moe_prefill" and value != self.ec.moe_prefill:  # prefill runs eagerly: no graph to redo
             self.ec = replace(self.ec, moe_prefill=value)
             self.model.set_moe_prefill(value)
@@ -344,7 +368,7 @@ class Engine:
             "fused_kernels": "on" if ec.fused_kernels else "off",
             "nvtx": "on" if self.ranges is self._recorder else "off", "overlap": "on" if ec.overlap else "off",
             "moe_gather": ec.moe_gather, "moe_prefill": ec.moe_prefill, "decode_attention": ec.decode_attention,
-            "decode_gemv": ec.decode_gemv,
+            "decode_gemv": ec.decode_gemv, "pdl": "on" if ec.pdl else "off",
         }  # fmt: skip
 
     # ---- requests --------------------------------------------------------------------------------------------

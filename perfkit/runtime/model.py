@@ -54,22 +54,31 @@ from perfkit.runtime.attention.base import AttentionBackend, AttnLayer
 from perfkit.runtime.model_config import Gemma4Config
 
 
+def _kernels(pdl: bool = False) -> SimpleNamespace:
+    """The fused Triton ops, imported on first use (TRITON_INTERPRET must be set before this on CPU). pdl: every
+    launcher bound to launch with programmatic dependent launch (perfkit/kernels/pdl.py; set_pdl). One shared
+    namespace per value (tests patch its entries)."""
+    return _kernel_table(bool(pdl))
+
+
 @functools.cache
-def _kernels() -> SimpleNamespace:
-    """The fused Triton ops, imported on first use (TRITON_INTERPRET must be set before this on CPU)."""
+def _kernel_table(pdl: bool) -> SimpleNamespace:
     from perfkit.kernels import gelu_mul, gemv, moe, qk_norm_rope, rmsnorm
 
+    def bind(fn):
+        return functools.partial(fn, pdl=pdl)
+
     return SimpleNamespace(
-        gemv=gemv.gemv,
-        rmsnorm=rmsnorm.rmsnorm,
-        sandwich=rmsnorm.sandwich_rmsnorm,
-        gelu_mul=gelu_mul.gelu_mul,
-        gelu_mul_cat=gelu_mul.gelu_mul_cat,
-        qk_norm_rope=qk_norm_rope.qk_norm_rope,
-        qkv_norm_rope_split=qk_norm_rope.qkv_norm_rope_split,
-        split_qkv=qk_norm_rope.split_qkv,
-        moe_routing=moe.moe_routing,
-        fused_moe=moe.fused_moe,
+        gemv=bind(gemv.gemv),
+        rmsnorm=bind(rmsnorm.rmsnorm),
+        sandwich=bind(rmsnorm.sandwich_rmsnorm),
+        gelu_mul=bind(gelu_mul.gelu_mul),
+        gelu_mul_cat=bind(gelu_mul.gelu_mul_cat),
+        qk_norm_rope=bind(qk_norm_rope.qk_norm_rope),
+        qkv_norm_rope_split=bind(qk_norm_rope.qkv_norm_rope_split),
+        split_qkv=qk_norm_rope.split_qkv,  # views only, no launch
+        moe_routing=bind(moe.moe_routing),
+        fused_moe=bind(moe.fused_moe),
     )
 
 
@@ -115,12 +124,12 @@ def _gemv_tile(x: Tensor, w: Tensor | None, tiles: GemvTiles):
     return tiles.get((w.shape[0], w.shape[1], w.dtype))
 
 
-def linear(x: Tensor, lin, tiles: GemvTiles) -> Tensor:
+def linear(x: Tensor, lin, tiles: GemvTiles, pdl: bool = False) -> Tensor:
     """lin(x) on the fused path, through the Triton gemv (perfkit/kernels/gemv.py) instead of cuBLAS when
-    `_gemv_tile` has a tile for it."""
+    `_gemv_tile` has a tile for it (launched with PDL when pdl)."""
     w = _plain_weight(lin) if tiles else None
     tile = _gemv_tile(x, w, tiles)
-    return lin(x) if tile is None else _kernels().gemv(x, w, tile)
+    return lin(x) if tile is None else _kernels(pdl).gemv(x, w, tile)
 
 
 def merge_linear_rows(linears: Sequence[nn.Module]) -> MergedRows | None:
@@ -182,6 +191,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
 
 class RMSNorm(nn.Module):
     fused = False  # set by Gemma4ForCausalLM.set_fused
+    pdl = False  # set by Gemma4ForCausalLM.set_pdl
 
     def __init__(self, dim: int, eps: float, with_scale: bool = True):
         super().__init__()
@@ -190,7 +200,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fused:
-            return _kernels().rmsnorm(x, self.weight, self.eps)
+            return _kernels(self.pdl).rmsnorm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -237,6 +247,7 @@ class RopeTables:
 class Gemma4MLP(nn.Module):
     fused = False
     gemv_tiles: GemvTiles = NO_GEMV  # set by Gemma4ForCausalLM.set_decode_gemv
+    pdl = False  # set by Gemma4ForCausalLM.set_pdl
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -269,16 +280,18 @@ class Gemma4MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # [T, H] -> [T, H]
         if self.fused:
-            K, w, t = _kernels(), self.merged_weight(), self.gemv_tiles
+            K, w, t, p = _kernels(self.pdl), self.merged_weight(), self.gemv_tiles, self.pdl
             if w is not None:  # one GEMM -> [T, 2I], gelu_mul reads the two strided halves
-                return linear(K.gelu_mul_cat(linear(x, self.gate_up, t)), self.down_proj, t)
-            return linear(K.gelu_mul(linear(x, self.gate_proj, t), linear(x, self.up_proj, t)), self.down_proj, t)
+                return linear(K.gelu_mul_cat(linear(x, self.gate_up, t, p)), self.down_proj, t, p)
+            g, u = linear(x, self.gate_proj, t, p), linear(x, self.up_proj, t, p)
+            return linear(K.gelu_mul(g, u), self.down_proj, t, p)
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Gemma4Attention(nn.Module):
     fused = False
     gemv_tiles: GemvTiles = NO_GEMV  # set by Gemma4ForCausalLM.set_decode_gemv
+    pdl = False  # set by Gemma4ForCausalLM.set_pdl
 
     def __init__(self, cfg: Gemma4Config, layer: AttnLayer):
         super().__init__()
@@ -342,24 +355,24 @@ class Gemma4Attention(nn.Module):
     def forward_fused(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
         """One qkv GEMM (merged weight; separate GEMMs when not merged) and one qkv_norm_rope launch for q, k, v,
         K/V written straight into the backend's cache when it offers a target. KV-shared layers: q only."""
-        K, T, la, t = _kernels(), x.shape[0], self.layer, self.gemv_tiles
+        K, T, la, t, p = _kernels(self.pdl), x.shape[0], self.layer, self.gemv_tiles, self.pdl
         hd = la.head_dim
         if not la.writes_kv:
-            q = K.qk_norm_rope(linear(x, self.q_proj, t).view(T, -1, hd), self.q_norm.weight, cos, sin, self.eps)
-            return linear(attn.attend(la, q, None, None).reshape(T, -1), self.o_proj, t)
+            q = K.qk_norm_rope(linear(x, self.q_proj, t, p).view(T, -1, hd), self.q_norm.weight, cos, sin, self.eps)
+            return linear(attn.attend(la, q, None, None).reshape(T, -1), self.o_proj, t, p)
         w = self.merged_weight()
         if w is not None:  # [T, (nh + kvh [+ kvh]) * hd] -> views, no copies
-            qkv = linear(x, self.qkv, t)
+            qkv = linear(x, self.qkv, t, p)
             q_raw, k_raw, v_raw = K.split_qkv(qkv, la.num_heads, la.num_kv_heads, hd, self.v_proj is None)
         else:  # unmergeable projections (fp4-native, TP-sharded, mixed types)
-            q_raw, k_raw = linear(x, self.q_proj, t).view(T, -1, hd), linear(x, self.k_proj, t).view(T, -1, hd)
-            v_raw = None if self.v_proj is None else linear(x, self.v_proj, t).view(T, -1, hd)
+            q_raw, k_raw = linear(x, self.q_proj, t, p).view(T, -1, hd), linear(x, self.k_proj, t, p).view(T, -1, hd)
+            v_raw = None if self.v_proj is None else linear(x, self.v_proj, t, p).view(T, -1, hd)
         target = _kv_write_target(attn, la, q_raw.dtype)
         q, k, v = K.qkv_norm_rope_split(
             q_raw, k_raw, v_raw, self.q_norm.weight, self.k_norm.weight, cos, sin, self.eps, target
         )  # [T, nh, hd]; k, v [T, kvh, hd] or None when written into the cache
         o = attn.attend(la, q, k, v)
-        return linear(o.reshape(T, -1), self.o_proj, t)
+        return linear(o.reshape(T, -1), self.o_proj, t, p)
 
 
 class Gemma4Router(nn.Module):
@@ -387,6 +400,7 @@ class Gemma4Experts(nn.Module):
 
     gather_max_rows = 64  # T*K at or below this: gather the chosen experts' weights (no host sync; decode)
     fused = False
+    pdl = False  # set by Gemma4ForCausalLM.set_pdl
 
     def __init__(self, cfg: Gemma4Config):
         super().__init__()
@@ -397,7 +411,7 @@ class Gemma4Experts(nn.Module):
 
     def forward(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:  # x [T, H], idx/w [T, K] -> [T, H]
         if self.fused:  # grouped Triton GEMMs, any T, no host sync
-            return _kernels().fused_moe(x, self.gate_up_proj, self.down_proj, w, idx)
+            return _kernels(self.pdl).fused_moe(x, self.gate_up_proj, self.down_proj, w, idx)
         if idx.numel() <= self.gather_max_rows:
             return self.forward_gather(x, idx, w)
         return self.forward_sorted(x, idx, w)
@@ -435,6 +449,7 @@ class Gemma4Experts(nn.Module):
 class Gemma4DecoderLayer(nn.Module):
     fused = False
     gemv_tiles: GemvTiles = NO_GEMV  # set by Gemma4ForCausalLM.set_decode_gemv
+    pdl = False  # set by Gemma4ForCausalLM.set_pdl
 
     def __init__(self, cfg: Gemma4Config, layer: AttnLayer):
         super().__init__()
@@ -496,7 +511,7 @@ class Gemma4DecoderLayer(nn.Module):
         x: input_layernorm(h) [T, H] when the previous layer's last sandwich already computed it (None: run the
         rmsnorm here). next_norm: the next layer's input_layernorm weight [H], folded into this layer's last
         sandwich. Returns (h [T, H], next_norm(h) [T, H] or None)."""
-        K, eps = _kernels(), self.input_layernorm.eps
+        K, eps, t, p = _kernels(self.pdl), self.input_layernorm.eps, self.gemv_tiles, self.pdl
         if x is None:
             x = K.rmsnorm(h, self.input_layernorm.weight, eps)
         a = self.self_attn(x, *rope, attn)
@@ -508,16 +523,16 @@ class Gemma4DecoderLayer(nn.Module):
         m = self.mlp(ys[0])
         x2 = None
         if self.enable_moe_block:
-            logits = linear(ys[2], self.router.proj, self.gemv_tiles)
+            logits = linear(ys[2], self.router.proj, t, p)
             w, idx = K.moe_routing(logits, self.router.top_k, self.router.per_expert_scale)
             e = self.experts(ys[1], idx, w)
             x2 = (e, self.post_feedforward_layernorm_1.weight, self.post_feedforward_layernorm_2.weight)
         last_next = [] if next_norm is None else [next_norm]  # emitted by the layer's last sandwich
         if self.has_ple:
             h, _ = K.sandwich(m, r, self.post_feedforward_layernorm.weight, eps, x2=x2)
-            g = K.gelu_mul(linear(h, self.per_layer_input_gate, self.gemv_tiles), ple)  # [T, P]
+            g = K.gelu_mul(linear(h, self.per_layer_input_gate, t, p), ple)  # [T, P]
             h, ys = K.sandwich(
-                linear(g, self.per_layer_projection, self.gemv_tiles), h, self.post_per_layer_input_norm.weight, eps,
+                linear(g, self.per_layer_projection, t, p), h, self.post_per_layer_input_norm.weight, eps,
                 scalar=self.layer_scalar, next_weights=last_next,
             )  # fmt: skip
         else:
@@ -541,6 +556,7 @@ class Gemma4ForCausalLM(nn.Module):
     """Gemma4 text decoder with tied LM head. `forward` takes a flat [T] token layout (no batch dim)."""
 
     gemv_tiles: GemvTiles = NO_GEMV  # set by set_decode_gemv (the LM head's)
+    pdl = False  # set by set_pdl
 
     def __init__(self, cfg: Gemma4Config, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
@@ -560,7 +576,8 @@ class Gemma4ForCausalLM(nn.Module):
             self.to(dtype)
         self.rope: RopeTables | None = None
         self.fused = False
-        self._gemv_timed: dict[tuple[int, int, torch.dtype], dict] = {}  # decode_gemv=auto's timings, per shape
+        self._gemv_timed: dict[tuple[int, int, torch.dtype, bool], dict] = {}  # decode_gemv=auto's timings, per
+        # shape and PDL setting
 
     def set_moe_gather(self, kind: str) -> bool:
         """NVFP4 experts at decode sizes: "gemv" (the gathered W4A16 gemv, GeGLU and combine in torch) or
@@ -579,6 +596,12 @@ class Gemma4ForCausalLM(nn.Module):
         if kind not in ("auto", "quantized", "dequant"):
             raise ValueError(f"moe_prefill {kind!r}: allowed values are auto, quantized, dequant")
         return self._set_module_flag("prefill_dequant", None if kind == "auto" else kind == "dequant")
+
+    def set_pdl(self, on: bool) -> None:
+        """Launch the fused path's Triton kernels with programmatic dependent launch (perfkit/kernels/pdl.py): each
+        may start while the kernel before it drains. Needs sm_90+ (the engine checks; toggle ``pdl``). Call before
+        ``set_decode_gemv``: its timings depend on it."""
+        self._set_module_flag("pdl", bool(on))
 
     def _set_module_flag(self, name: str, value: bool | None) -> bool:
         """``name = value`` on every submodule whose class declares ``name``; whether any does."""
@@ -604,7 +627,8 @@ class Gemma4ForCausalLM(nn.Module):
         "cublas" none; "triton" every plain weight with ``gemv.default_tile``; "auto" the shapes where a gemv
         tile beat cuBLAS on this GPU, timed once per shape on the model's own weights (``gemv.time_gemv_choice``).
         Nothing routes (and nothing is timed) while the fused path is off, nor with auto off CUDA. Call after
-        ``set_fused``: the merged qkv / gate_up shapes are the ones timed.
+        ``set_fused`` and ``set_pdl``: the merged qkv / gate_up shapes are the ones timed, and with PDL on the gemv
+        tiles are timed launching with it.
         Returns {"mode", "shapes": {"NxK": the timing row or the tile}} for the result file."""
         if mode not in ("auto", "cublas", "triton"):
             raise ValueError(f"decode_gemv {mode!r}: allowed values are auto, cublas, triton")
@@ -619,9 +643,10 @@ class Gemma4ForCausalLM(nn.Module):
                     tiles[key] = gemv.default_tile(N, K)
                     shapes[f"{N}x{K}"] = tiles[key].label
                     continue
-                if key not in self._gemv_timed:
-                    self._gemv_timed[key] = gemv.time_gemv_choice(ws[: gemv.TIMING_CALLS])
-                row = self._gemv_timed[key]
+                timed = (*key, self.pdl)
+                if timed not in self._gemv_timed:
+                    self._gemv_timed[timed] = gemv.time_gemv_choice(ws[: gemv.TIMING_CALLS], pdl=self.pdl)
+                row = self._gemv_timed[timed]
                 tile = gemv.tile_by_label(row["best"])
                 if tile is not None:
                     tiles[key] = tile
@@ -699,7 +724,7 @@ class Gemma4ForCausalLM(nn.Module):
         w = self.embed_tokens.weight
         tile = _gemv_tile(x, w, self.gemv_tiles) if self.fused else None
         if tile is not None:
-            return _kernels().gemv(x, w, tile)
+            return _kernels(self.pdl).gemv(x, w, tile)
         return F.linear(x, w)
 
     def embed(self, input_ids: Tensor, mm_embeds: Tensor | None = None) -> tuple[Tensor, Tensor]:

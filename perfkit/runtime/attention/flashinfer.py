@@ -108,6 +108,7 @@ class FlashInferBackend:
         prefill_backend: str = "auto",
         decode_kernel: str = "auto",
         max_batch_size: int = 256,
+        pdl: bool = False,
     ):
         try:
             import flashinfer
@@ -138,6 +139,7 @@ class FlashInferBackend:
         self._active: dict[str, tuple] = {}  # pool -> (decode wrapper | TritonDecodePlan | None, prefill wrapper | None)
         use_triton_decode(decode_kernel, 1)  # validates the value
         self.decode_kernel = decode_kernel  # toggle decode_attention
+        self.pdl = pdl  # toggle pdl: the Triton decode's two kernels launch with PDL (FlashInfer's never do)
         # the Triton decode's device metadata: fixed addresses (graphs), sized for the engine's largest batch, + 3
         # for the lengths' 16-byte start (upload_parts)
         self._tri_meta = {p: PinnedStaging(2 * max_batch_size + 4, torch.int32, self.device) for p in kv_cache.specs}
@@ -244,7 +246,8 @@ class FlashInferBackend:
         out = torch.empty_like(q)
         if isinstance(dec, TritonDecodePlan):
             paged_decode_attention(q[:nd], cache, dec.indices, dec.indptr, dec.kv_lens, window=dec.window,
-                                   k_scale=k_scale, v_scale=v_scale, num_splits=dec.num_splits, out=out[:nd])  # fmt: skip
+                                   k_scale=k_scale, v_scale=v_scale, num_splits=dec.num_splits, out=out[:nd],
+                                   pdl=self.pdl)  # fmt: skip
         elif dec is not None:
             dec.run(q[:nd], cache, out=out[:nd], **scales)
         if pre is not None:
