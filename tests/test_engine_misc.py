@@ -17,18 +17,20 @@ def test_graph_batch_sizes():
     assert graph_batch_sizes(3) == [1, 2, 3]
 
 
-def test_warmup_prefill_sizes_cover_both_divisibility_classes_at_two_scales():
-    """The KV-sizing warmup prefills n and n // 8 tokens, each in both multiple-of-16 classes (Triton specialises
-    integer arguments on it), so neither the largest chunk's kernels nor those of the quantised MoE's sorted path
-    (below dequant_min_pairs) compile inside a measured window; small n gives no size below 1 and no repeats."""
-    assert _warmup_prefill_tokens(8192) == [8192, 8191, 1024, 1023]
-    assert _warmup_prefill_tokens(4095) == [4095, 4080, 511, 496]
+def test_warmup_prefill_sizes_cover_both_divisibility_classes_at_three_scales():
+    """The KV-sizing warmup prefills n, n // 8 and 64 tokens, each in both multiple-of-16 classes (Triton
+    specialises integer arguments on it), so neither the largest chunk's kernels, nor those of the quantised MoE's
+    sorted path (below dequant_min_pairs), nor the sorted GEMMs' decode tiles (257-1024 pairs) compile inside a
+    measured window; small n gives no size below 1 and no repeats."""
+    assert _warmup_prefill_tokens(8192) == [8192, 8191, 1024, 1023, 64, 63]
+    assert _warmup_prefill_tokens(4095) == [4095, 4080, 511, 496, 64, 63]
+    assert _warmup_prefill_tokens(64) == [64, 63, 8]
     assert _warmup_prefill_tokens(8) == [8, 1]
     assert _warmup_prefill_tokens(1) == [1]
     for n in range(1, 300):
         sizes = _warmup_prefill_tokens(n)
         assert sizes[0] == n and all(1 <= t <= n for t in sizes) and len(set(sizes)) == len(sizes)
-        for m in (n, n // 8):
+        for m in (n, n // 8, 64 if n > 64 else 0):
             if m >= 16:  # m itself and a size of the other class within 16 tokens below it
                 assert m in sizes and any((t % 16 == 0) != (m % 16 == 0) for t in sizes if m - 16 < t <= m)
 

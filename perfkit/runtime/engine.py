@@ -516,11 +516,18 @@ class Engine:
         )
 
 
+# A warmup prefill size between 33 and 128 tokens: at top-8 routing, 257-1024 pairs, where the sorted MoE GEMMs
+# take their decode tiles (moe._tiles) and neither n nor n // 8 lands for any n >= 264. Without it a mixed step of
+# that size compiled them inside a measured window (12-06 call 1: 26B-A4B c16, _moe_gemm_kernel x2).
+WARMUP_SMALL_PREFILL_TOKENS = 64
+
+
 def _warmup_prefill_tokens(n: int) -> list[int]:
-    """The KV-sizing warmup's prefill sizes for a largest prefill of n tokens: n and n // 8, each with its other
-    multiple-of-16 class (one fewer, or down to a multiple of 16), as large as it can be; no size below 1."""
+    """The KV-sizing warmup's prefill sizes for a largest prefill of n tokens: n, n // 8 and
+    WARMUP_SMALL_PREFILL_TOKENS (when below n), each with its other multiple-of-16 class (one fewer, or down to a
+    multiple of 16), as large as it can be; no size below 1."""
     sizes: list[int] = []
-    for m in (n, n // 8):
+    for m in (n, n // 8, WARMUP_SMALL_PREFILL_TOKENS if WARMUP_SMALL_PREFILL_TOKENS < n else 0):
         other = m - 1 if m % 16 == 0 else m - m % 16
         sizes += [t for t in (m, other) if t > 0 and t not in sizes]
     return sizes
