@@ -105,7 +105,7 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
     ),
     "pdl": (
         ("auto", "on", "off"),
-        "off",
+        "auto",
         "programmatic dependent launch (sm_90+): the fused path's Triton kernels and the Triton decode attention "
         "launch so that each may start while the kernel before it drains, waiting on the device for its inputs "
         "(on), vs plain launches (off); the same kernels and arithmetic, so the tokens are identical; auto = on "
@@ -149,7 +149,7 @@ class Toggles(BaseModel):
     moe_prefill: Literal["auto", "quantized", "dequant"] = "auto"
     decode_attention: Literal["auto", "flashinfer", "triton"] = "auto"
     decode_gemv: Literal["auto", "cublas", "triton"] = "auto"
-    pdl: Literal["auto", "on", "off"] = "off"
+    pdl: Literal["auto", "on", "off"] = "auto"
     attention: Literal["auto", "flashinfer", "torch"] = "auto"
 
     @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", "pdl", mode="before")

@@ -657,14 +657,27 @@ def test_gather_tile_sweep_flow_on_cpu(monkeypatch):
         {"BLOCK_N": 12, "BLOCK_K": 64},
     )
     rows = moe.tile_sweep((2,), file=io.StringIO(), grid=grid, E=4, H=80, I=40, K=2, device=DEVICE)
-    assert [(r["kernel"], r["tiles"].get("PREFETCH", 0)) for r in rows] == [("gate_up", 0)] * 1 + [
-        ("gate_up", 1), ("gate_up", 1), ("gate_up", 0), ("down", 0), ("down", 1), ("down", 1), ("down", 0)
-    ]  # fmt: skip
+    assert [(r["kernel"], r["tiles"].get("PREFETCH", 0)) for r in rows] == [("gate_up", 1)] * 1 + [
+        ("gate_up", 1), ("gate_up", 1), ("gate_up", 0), ("down", 1), ("down", 1), ("down", 1), ("down", 0)
+    ]  # fmt: skip (the defaults prefetch at 4 pairs; an override without PREFETCH runs the plain form)
     ok = [r for r in rows if "error" not in r]
     assert len(ok) == 6 and all(r["rel_err_vs_default"] < 1e-2 and r["graph_us"] == 1000.0 for r in ok)
     assert all("power of 2" in r["error"] for r in rows if "error" in r)  # BLOCK_N 12, recorded per kernel
     rows = moe.tile_sweep((2,), file=io.StringIO(), grid=grid[:1], down_grid=(), E=4, H=80, I=40, K=2, device=DEVICE)
-    assert [(r["kernel"], r["tiles"].get("PREFETCH", 0)) for r in rows] == [("gate_up", 0), ("gate_up", 1), ("down", 0)]
+    assert [(r["kernel"], r["tiles"].get("PREFETCH", 0)) for r in rows] == [("gate_up", 1), ("gate_up", 1), ("down", 1)]
+
+
+def test_gather_defaults_by_size_and_override_form():
+    """gate_up prefetches up to GATHER_GATE_UP_PREFETCH_MAX_PAIRS (measured: it lost at T = 16), down always; an
+    override names its own form (plain unless it sets PREFETCH), so a sweep's plain tiles stay plain."""
+    n = moe.GATHER_GATE_UP_PREFETCH_MAX_PAIRS
+    assert moe.gather_gate_up_defaults(n)["PREFETCH"] == 1 and "PREFETCH" not in moe.gather_gate_up_defaults(n + 1)
+    assert moe.GATHER_DOWN_TILES["PREFETCH"] == 1
+    t = moe._gather_tiles(moe.GATHER_DOWN_TILES, {"BLOCK_N": 4}, 2816, 704)
+    assert t == {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 4, "PREFETCH": 0, "EVICT_FIRST": 0}
+    assert moe._gather_tiles(moe.GATHER_DOWN_TILES, None, 2816, 704) == moe.GATHER_DOWN_TILES
+    q = moe._gather_tiles(moe.GATHER_W4A16_DOWN_TILES, {"num_warps": 2}, 2816, 704, keys=moe._TILE_KEYS)
+    assert "PREFETCH" not in q  # the NVFP4 kernels have no such key
 
 
 def test_traffic_formulas():

@@ -116,7 +116,7 @@ def test_engine_refuses_pdl_where_it_cannot_run():
 
 
 def test_toggle_resolution():
-    assert Toggles().pdl == "off"
+    assert Toggles().pdl == "auto"
     assert Toggles(pdl=True).pdl == "on"  # YAML's bare on
     assert resolve_toggles(Toggles(pdl="auto"), "cpu").pdl == "off"
     assert resolve_toggles(Toggles(pdl="off"), "cpu").pdl == "off"

@@ -117,7 +117,16 @@ MOE_GATHER_MAX_PAIRS = 64
 # (docs/h200-runs/2026-12-01b/4-moe-tiles.jsonl, 26B-A4B shapes, summed over T = 1 and 8): gate_up 28.7 us at T=1
 # (16 x 256 x 4 warps: 32.5), down 19.4 us (8 x 256 x 4 warps: 21.8).
 GATHER_GATE_UP_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8}  # BLOCK_N rows of I, BLOCK_K of H
-GATHER_DOWN_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8}  # BLOCK_N rows of H, BLOCK_K of I
+# Since 12-06 the prefetching form (tile keys PREFETCH / EVICT_FIRST) is the default where it won: the H200 sweep of
+# 12-06 (docs/h200-runs/2026-12-06/3-gather_sweep.jsonl, 26B-A4B shapes, one kernel per CUDA graph, L2 flushed):
+# gate_up T = 1 28.22 -> 24.38 us, T = 4 72.42 -> 71.20, but T = 16 189.8 -> 198.1 (and no prefetching tile beat
+# the plain one by more than 0.3 % at T = 8 in call 1), so gate_up prefetches up to 32 pairs (T 4 at top-8); down
+# T = 1 19.68 -> 16.10, T = 4 48.86 -> 44.42, T = 16 123.7 -> 121.1 with evict-first (the bf16 gather path serves
+# up to MOE_GATHER_MAX_PAIRS = 64, T 8).
+GATHER_GATE_UP_PREFETCH_TILES = {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 2, "PREFETCH": 1, "EVICT_FIRST": 1}
+GATHER_GATE_UP_PREFETCH_MAX_PAIRS = 32
+GATHER_DOWN_TILES = {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, "PREFETCH": 1, "EVICT_FIRST": 1}  # BLOCK_N rows
+# of H, BLOCK_K of I; before 12-06: {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8} (plain)
 _TILE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 _GATHER_TILE_KEYS = (*_TILE_KEYS, "PREFETCH", "EVICT_FIRST")  # the bf16 gather kernels' prefetching form
 # NVFP4 gather kernels (``_fused_moe_gather_w4a16``): the wide W4A16 gemv's layout (each thread 32 consecutive K
@@ -749,10 +758,13 @@ def _check_tile_keys(override: dict[str, int], allowed: tuple[str, ...]) -> None
 def _gather_tiles(
     default: dict[str, int], override: dict[str, int] | None, n: int, kd: int, keys: tuple[str, ...] = _GATHER_TILE_KEYS
 ) -> dict[str, int]:
-    """Default tiles with a per-call override (of ``keys``) merged in, then shrunk for small problems (tests)."""
+    """Default tiles with a per-call override (of ``keys``) merged in, then shrunk for small problems (tests). An
+    override of a bf16 gather kernel's tiles runs the plain form unless it sets PREFETCH itself."""
     t = dict(default)
     if override:
         _check_tile_keys(override, keys)
+        if "PREFETCH" in keys:
+            t.update(PREFETCH=0, EVICT_FIRST=0)
         t.update(override)
     for key in ("BLOCK_N", "BLOCK_K"):
         v = t[key]
@@ -761,6 +773,13 @@ def _gather_tiles(
     t["BLOCK_N"] = min(t["BLOCK_N"], triton.next_power_of_2(n))
     t["BLOCK_K"] = min(t["BLOCK_K"], triton.next_power_of_2(kd))
     return t
+
+
+def gather_gate_up_defaults(pairs: int) -> dict[str, int]:
+    """The bf16 gate_up gather kernel's default tiles for this many routed pairs (prefetching up to
+    GATHER_GATE_UP_PREFETCH_MAX_PAIRS)."""
+    small = pairs <= GATHER_GATE_UP_PREFETCH_MAX_PAIRS
+    return GATHER_GATE_UP_PREFETCH_TILES if small else GATHER_GATE_UP_TILES
 
 
 def _gather_gate_up(
@@ -813,7 +832,7 @@ def _fused_moe_gather(
     H, inter, K = x.shape[1], w_down.shape[2], topk_idx.shape[1]
     idx = topk_idx.reshape(-1).contiguous()  # [T*K]; a view of a contiguous [T, K] (no launch); a strided
     topw = topk_w.reshape(-1).contiguous()  # slice (w[:, :1] reshapes to a stride-K view) is copied
-    t1 = _gather_tiles(GATHER_GATE_UP_TILES, gate_up_tiles, inter, H)
+    t1 = _gather_tiles(gather_gate_up_defaults(idx.numel()), gate_up_tiles, inter, H)
     act = _gather_gate_up(x, w_gate_up, idx, topw, K, t1, pdl)
     t2 = _gather_tiles(GATHER_DOWN_TILES, down_tiles, H, inter)
     return _gather_down(act, w_down, idx, topw, K, t2, x.dtype, pdl)
@@ -1123,8 +1142,8 @@ def fused_moe(
 
     path: "auto" (gather when T*K <= ``MOE_GATHER_MAX_PAIRS``, else sorted), "gather" or "sorted" (module doc).
     block_m: the sorted path's rows per expert block. gate_up_tiles / down_tiles: the gather path's tiles,
-    any of {BLOCK_N, BLOCK_K (powers of 2), num_warps, num_stages} over ``GATHER_GATE_UP_TILES`` /
-    ``GATHER_DOWN_TILES`` (for sweeps). pdl: the gather path's kernels launch with programmatic dependent launch
+    any of {BLOCK_N, BLOCK_K (powers of 2), num_warps, num_stages, PREFETCH, EVICT_FIRST} over
+    ``gather_gate_up_defaults`` / ``GATHER_DOWN_TILES`` (for sweeps; without PREFETCH the plain form runs). pdl: the gather path's kernels launch with programmatic dependent launch
     (perfkit/kernels/pdl.py; sm_90+ only); the sorted path's never do (it runs above 32 tokens, where a launch's
     latency is a small part of a kernel)."""
     chosen = select_moe_path(topk_idx.numel(), path)
@@ -1251,8 +1270,8 @@ def fused_moe_traffic(
 
 # Gather-path tile variants timed by the sweep: (gate_up tiles, down tiles); "narrow" and "wide" are the two that
 # lost to the first defaults (16 x 256 / 8 x 256, 4 warps) in the 12-01 sweep.
-GATHER_VARIANTS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
-    "default": (GATHER_GATE_UP_TILES, GATHER_DOWN_TILES),
+GATHER_VARIANTS: dict[str, tuple[dict[str, int] | None, dict[str, int] | None]] = {
+    "default": (None, None),
     "narrow": ({"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4}, {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4}),
     "wide": ({"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 8}, {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 8}),
 }
@@ -1318,7 +1337,7 @@ def bench_fused_moe(
     if chosen == "gather":
         res["gather_worst_bound_ms"] = _gather_worst_bound_ms(t)
         ti, tw = idx.reshape(-1).contiguous(), w.reshape(-1).contiguous()
-        t1 = _gather_tiles(GATHER_GATE_UP_TILES, gate_up_tiles, I, H)
+        t1 = _gather_tiles(gather_gate_up_defaults(T * K), gate_up_tiles, I, H)
         t2 = _gather_tiles(GATHER_DOWN_TILES, down_tiles, H, I)
         act = _gather_gate_up(x, gu, ti, tw, K, t1)
         res["gate_up_tiles"], res["down_tiles"] = t1, t2
@@ -1538,7 +1557,8 @@ def sweep(tokens: tuple[int, ...] = SWEEP_TOKENS, file=None) -> list[dict]:
 GATHER_TILE_GRID = tuple(
     {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w} for n in (4, 8, 16, 32) for k in (128, 256, 512) for w in (2, 4, 8)
 )
-# The prefetching form of the bf16 gather kernels (12-05; not yet timed on a GPU). In the 26B-A4B batch-1 profile
+# The prefetching form of the bf16 gather kernels (12-05; timed on 12-06, the defaults since: see
+# GATHER_DOWN_TILES). In the 26B-A4B batch-1 profile
 # (docs/h200-runs/2026-12-05/6-ab_c1_profile.json) the gather kernels take 19.1 + 12.2 us per layer for 63 + 32 MB
 # of expert weights (14.7 + 7.4 us at 4.3 TB/s): the 8 x 128 default tiles are 22 masked steps of 8-byte loads with
 # no load in flight across steps. The bf16 GEMV of the same session gained 1.3x from the next step's tile loaded
@@ -1570,7 +1590,7 @@ def tile_sweep(
 ) -> list[dict]:
     """Each gather kernel alone over a grid of tiles (26B-A4B shapes, bf16, CUDA-graph replays, L2 flushed): one
     JSON line per (kernel, T, tiles) with the time and the relative error against the default tiles' output (or the
-    error of a tile that does not compile), to choose GATHER_GATE_UP_TILES / GATHER_DOWN_TILES by measurement. The
+    error of a tile that does not compile), to choose the gather defaults (``gather_gate_up_defaults``, GATHER_DOWN_TILES) by measurement. The
     defaults are timed first in every grid. ``down_grid``: the down kernel's own grid (None: ``grid``); an empty
     one times the down kernel's defaults only."""
     file = file or sys.stdout
@@ -1583,7 +1603,8 @@ def tile_sweep(
     for T in tokens:
         x, w, idx = _random_tokens(T, H, E, K, gen, device)
         ti, tw = idx.reshape(-1).contiguous(), w.reshape(-1).contiguous()
-        act = _gather_gate_up(x, gu, ti, tw, K, _gather_tiles(GATHER_GATE_UP_TILES, None, inter, H))
+        gu_default = gather_gate_up_defaults(T * K)
+        act = _gather_gate_up(x, gu, ti, tw, K, _gather_tiles(gu_default, None, inter, H))
         t_down = _gather_tiles(GATHER_DOWN_TILES, None, H, inter)
         want = {"gate_up": act, "down": _gather_down(act, dn, ti, tw, K, t_down, x.dtype)}
         for kernel in ("gate_up", "down"):
@@ -1591,7 +1612,7 @@ def tile_sweep(
                 r = {"kernel": kernel, "T": T, "tiles": tiles}
                 try:
                     if kernel == "gate_up":
-                        r["tiles"] = t = _gather_tiles(GATHER_GATE_UP_TILES, tiles, inter, H)
+                        r["tiles"] = t = _gather_tiles(gu_default, tiles, inter, H)
                         run = functools.partial(_gather_gate_up, x, gu, ti, tw, K, t)
                     else:
                         r["tiles"] = t = _gather_tiles(GATHER_DOWN_TILES, tiles, H, inter)
