@@ -164,6 +164,11 @@ def test_ctrl_c_keeps_finished_scenarios_and_exits_130(tmp_path, monkeypatch):
             "error: toggles.attention=flashinfer cannot run here: no CUDA device; use attention: torch or auto",
         ),
         (
+            "toggles.pdl=on",
+            "error: toggles.pdl=on needs a CUDA GPU of compute capability 9.0 or newer (programmatic dependent "
+            "launch); use pdl: off or auto",
+        ),
+        (
             "model.device=cuda",
             "error: model.device is cuda but no CUDA GPU is visible; run on a GPU machine or use --set model.device=auto",
         ),

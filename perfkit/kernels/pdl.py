@@ -6,7 +6,10 @@ begins from cold. With PDL (sm_90+) a kernel launched with ``launch_pdl=True`` m
 drains: its CTAs are resident and waiting when the predecessor ends. On the H200 (12-06 call 1,
 ``docs/h200-runs/2026-12-06/1-pdl.jsonl``, CUDA graphs of chains of 20 dependent batch-1 GEMVs) this took
 1.0-1.35 us off each link: 26B-A4B gate_up / down 182.2 -> 155.3 us, qkv / o 278.2 -> 251.6, 31B o_proj
-486.8 -> 466.4 (cuBLAS 205.2 / 303.1 / 491.7).
+486.8 -> 466.4 (cuBLAS 205.2 / 303.1 / 491.7). In the engine (``configs/ab_pdl.yaml``, 12-06 call 4, TPOT p50):
+26B-A4B c1 3.347 -> 3.133 ms, c4 -1.5 %, c8 -1.7 %; 31B c1 16.51 -> 16.37, c4 -1.0 %, c8 -0.6 % (31B c1 +0.36 % in
+call 2, where ``decode_gemv=auto``'s near-ties between cuBLAS and the gemv fell the other way). Hence the toggle's
+default, auto: on wherever it can run.
 
 How a kernel takes part: it gets a ``PDL`` constexpr and calls :func:`pdl_enter` with it before its first read of
 anything a predecessor wrote (activations, routing, page tables, the KV cache) and before its first write of
