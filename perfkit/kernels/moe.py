@@ -1143,9 +1143,10 @@ def fused_moe(
     path: "auto" (gather when T*K <= ``MOE_GATHER_MAX_PAIRS``, else sorted), "gather" or "sorted" (module doc).
     block_m: the sorted path's rows per expert block. gate_up_tiles / down_tiles: the gather path's tiles,
     any of {BLOCK_N, BLOCK_K (powers of 2), num_warps, num_stages, PREFETCH, EVICT_FIRST} over
-    ``gather_gate_up_defaults`` / ``GATHER_DOWN_TILES`` (for sweeps; without PREFETCH the plain form runs). pdl: the gather path's kernels launch with programmatic dependent launch
-    (perfkit/kernels/pdl.py; sm_90+ only); the sorted path's never do (it runs above 32 tokens, where a launch's
-    latency is a small part of a kernel)."""
+    ``gather_gate_up_defaults`` / ``GATHER_DOWN_TILES`` (for sweeps; without PREFETCH the plain form runs).
+    pdl: the gather path's kernels launch with programmatic dependent launch (perfkit/kernels/pdl.py; sm_90+ only);
+    the sorted path's never do (it runs above MOE_GATHER_MAX_PAIRS pairs, where its GEMMs take 100+ us and a
+    launch's latency is a small part of them)."""
     chosen = select_moe_path(topk_idx.numel(), path)
     T, H = x.shape
     E, two_i, H2 = w_gate_up.shape
@@ -1590,8 +1591,8 @@ def tile_sweep(
 ) -> list[dict]:
     """Each gather kernel alone over a grid of tiles (26B-A4B shapes, bf16, CUDA-graph replays, L2 flushed): one
     JSON line per (kernel, T, tiles) with the time and the relative error against the default tiles' output (or the
-    error of a tile that does not compile), to choose the gather defaults (``gather_gate_up_defaults``, GATHER_DOWN_TILES) by measurement. The
-    defaults are timed first in every grid. ``down_grid``: the down kernel's own grid (None: ``grid``); an empty
+    error of a tile that does not compile), to choose the gather defaults (``gather_gate_up_defaults``,
+    GATHER_DOWN_TILES) by measurement. The defaults are timed first in every grid. ``down_grid``: the down kernel's own grid (None: ``grid``); an empty
     one times the down kernel's defaults only."""
     file = file or sys.stdout
     inter = I
@@ -1641,7 +1642,8 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--candidates", action="store_true",
         help="with --tiles --quant: QUANT_CANDIDATE_GRID (2 / 8 warps, SWAP_AB; SCALES_VEC) beside the defaults; "
-        "with --tiles alone: the bf16 gather kernels' prefetching form (GATHER_PREFETCH_GRID, GATHER_DOWN_PREFETCH_GRID)",
+        "with --tiles alone: the bf16 gather kernels' prefetching form (GATHER_PREFETCH_GRID; the down kernel: "
+        "GATHER_DOWN_PREFETCH_GRID)",
     )  # fmt: skip
     ap.add_argument(
         "--quant", choices=QUANT_EXPERT_FORMATS, default=None,
