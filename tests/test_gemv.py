@@ -66,7 +66,8 @@ def test_gemv_matches_the_reference(M, N, K, dtype):
     """Partial N tiles (40 rows in 16-row tiles), a K tail (208 = 3 x 64 + 16), K below one step (30), rows of x
     past one program's four (M = 5), and no full step at all (K = 1)."""
     x, w = _operands(M, N, K, dtype, seed=M * 100 + N)
-    for cfg in (GemvConfig(16, 64, 4), GemvConfig(16, 64, 4, evict_first=True), INTERPRETER_TILE):
+    for cfg in (GemvConfig(16, 64, 4), GemvConfig(16, 64, 4, evict_first=True), INTERPRETER_TILE,
+                GemvConfig(16, 64, 4, preload=2)):  # fmt: skip
         _assert_close(gemv(x, w, cfg), x, w)
 
 
@@ -103,6 +104,9 @@ def test_gemv_rejects_mismatched_operands():
 def test_tiles_and_their_rule(monkeypatch):
     with pytest.raises(ValueError, match="powers of two"):
         GemvConfig(12, 512, 4)
+    with pytest.raises(ValueError, match="preload"):
+        GemvConfig(16, 512, 4, preload=3)
+    assert GemvConfig(16, 512, 4, True, preload=2).label == "16x512w4ep2"
     labels = [t.label for t in GEMV_TILES]
     assert len(set(labels)) == len(labels) and labels[0] == "16x512w4e"
     assert all(tile_by_label(t.label) is t for t in GEMV_TILES) and tile_by_label("cublas") is None
@@ -241,7 +245,7 @@ def test_engine_toggle_gives_the_reference_tokens(monkeypatch):
 @pytest.mark.parametrize("N,K", [(5376, 8192), (16384, 5376), (2816, 2112), (128, 2816)])
 def test_gpu_gemv_real_shapes_every_tile(N, K):
     x, w = _operands(1, N, K, torch.bfloat16, seed=N)
-    for cfg in GEMV_TILES:
+    for cfg in GEMV_TILES + gv.GEMV_PRELOAD_CANDIDATES:
         _assert_close(gemv(x, w, cfg), x, w)
     row = gv.time_gemv_choice([w, w.clone()], calls=4, replays=3)
     assert set(row["tiles"]) == {t.label for t in GEMV_TILES} and row["cublas_us"] > 0
@@ -266,3 +270,8 @@ def test_gpu_auto_times_the_model_shapes_and_matches_cublas():
     out = _forward(model, ids, pos)
     torch.testing.assert_close(out, ref, atol=0.02 * ref.abs().max().item(), rtol=0)
     assert (out.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_sweep_cli_refuses_an_unknown_shape_prefix(capsys):
+    assert gv._main(["--only", "70b"]) == 2
+    assert "matches none of" in capsys.readouterr().out

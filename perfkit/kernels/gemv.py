@@ -40,7 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import triton
@@ -72,6 +72,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVICT: tl.constexpr,  # "evict_first" (streaming weight loads) or ""
     PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py): the first weight tile loads first
+    PRELOAD: tl.constexpr = 1,  # weight tiles in flight before the wait (1 or 2; 2 keeps three tiles live)
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -86,13 +87,23 @@ def _gemv_kernel(
     k_main = K // BLOCK_K * BLOCK_K  # end of the full steps
     # the first step's tile (all-true mask, or no full step at all); each iteration loads the next one before its
     # FMAs, the last iteration's "next" clamped onto itself (an L2 re-read instead of a mask)
-    w = tl.load(w_ptrs, mask=(k < k_main)[None, None, :], other=0.0, eviction_policy=EVICT)
-    pdl_enter(PDL)  # x is the predecessor's output; the weight is constant, so its first tile is already in flight
+    full = (k < k_main)[None, None, :]
+    w = tl.load(w_ptrs, mask=full, other=0.0, eviction_policy=EVICT)
+    if PRELOAD == 2:  # the second step's tile too (clamped onto the last full step, like every "next" below)
+        w2 = tl.load(w_ptrs + tl.maximum(tl.minimum(BLOCK_K, k_main - BLOCK_K), 0), mask=full, other=0.0,
+                     eviction_policy=EVICT)  # fmt: skip
+    pdl_enter(PDL)  # x is the predecessor's output; the weight is constant, so its first tiles are already in flight
     for k0 in range(0, k_main, BLOCK_K):
         x = tl.load(x_ptrs + k0)
-        w_next = tl.load(w_ptrs + tl.minimum(k0 + BLOCK_K, k_main - BLOCK_K), eviction_policy=EVICT)
-        acc = tl.fma(w.to(tl.float32), x.to(tl.float32), acc)
-        w = w_next
+        if PRELOAD == 2:  # three tiles live: this step's, the next one's and the one after
+            w_next = tl.load(w_ptrs + tl.minimum(k0 + 2 * BLOCK_K, k_main - BLOCK_K), eviction_policy=EVICT)
+            acc = tl.fma(w.to(tl.float32), x.to(tl.float32), acc)
+            w = w2
+            w2 = w_next
+        else:
+            w_next = tl.load(w_ptrs + tl.minimum(k0 + BLOCK_K, k_main - BLOCK_K), eviction_policy=EVICT)
+            acc = tl.fma(w.to(tl.float32), x.to(tl.float32), acc)
+            w = w_next
     if k_main < K:  # the K tail: one masked step
         km = (k_main + k < K)[None, None, :]
         x = tl.load(x_ptrs + k_main, mask=km, other=0.0)
@@ -113,16 +124,20 @@ class GemvConfig:
     block_k: int
     num_warps: int
     evict_first: bool = False
+    preload: int = 1  # weight tiles loaded before the PDL wait (and kept in flight): 1, or 2 (a candidate, 12-06)
 
     def __post_init__(self) -> None:
         if not all(
             isinstance(v, int) and v >= 1 and v & (v - 1) == 0 for v in (self.block_n, self.block_k, self.num_warps)
         ):
             raise ValueError(f"bad GemvConfig {self}: block_n, block_k and num_warps must be powers of two")
+        if self.preload not in (1, 2):
+            raise ValueError(f"bad GemvConfig {self}: preload must be 1 or 2")
 
     @property
     def label(self) -> str:
-        return f"{self.block_n}x{self.block_k}w{self.num_warps}{'e' if self.evict_first else ''}"
+        return (f"{self.block_n}x{self.block_k}w{self.num_warps}{'e' if self.evict_first else ''}"
+                f"{'p2' if self.preload == 2 else ''}")  # fmt: skip
 
 
 # The candidates ``time_gemv_choice`` times per shape: the best tile of each 31B / 26B-A4B shape in 12-05's H200
@@ -135,6 +150,11 @@ GEMV_TILES: tuple[GemvConfig, ...] = (
     GemvConfig(4, 512, 2),
     GemvConfig(32, 256, 4),
 )
+# Candidates of 12-06, CPU-tested, never timed: the same tiles with two weight tiles loaded before the PDL wait
+# (``preload=2``). With PDL a gemv's CTAs are resident while their predecessor runs; a 26B-A4B layer's small products
+# (2816 x 2112: two 1024-wide steps and a tail per row) could then have most of their weight in flight before the
+# wait. Timed by ``python3 -m perfkit.kernels.gemv --pdl --preload``.
+GEMV_PRELOAD_CANDIDATES: tuple[GemvConfig, ...] = tuple(replace(t, preload=2) for t in GEMV_TILES)
 # The CPU interpreter runs one program at a time in Python: one wide tile per problem.
 INTERPRETER_TILE = GemvConfig(64, 128, 4)
 
@@ -175,8 +195,8 @@ def gemv(
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
     _gemv_kernel[grid](
         x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVICT="evict_first" if cfg.evict_first else "", num_warps=cfg.num_warps,
-        **pdl_launch(pdl),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVICT="evict_first" if cfg.evict_first else "", PRELOAD=cfg.preload,
+        num_warps=cfg.num_warps, **pdl_launch(pdl),
     )  # fmt: skip
     return out
 
@@ -249,16 +269,19 @@ SWEEP_SHAPES: dict[str, tuple[int, int]] = {
 }  # fmt: skip
 
 
-def sweep_gemv(shapes: dict[str, tuple[int, int]] = SWEEP_SHAPES, out: str | None = None) -> list[dict]:
-    """``time_gemv_choice`` on random bf16 weights at every shape (enough copies that 20 calls never re-read one
-    from L2); one JSON line per shape to ``out`` (or stdout)."""
+def sweep_gemv(
+    shapes: dict[str, tuple[int, int]] = SWEEP_SHAPES, out: str | None = None,
+    tiles: Sequence[GemvConfig] = GEMV_TILES, pdl: bool = False,
+) -> list[dict]:  # fmt: skip
+    """``time_gemv_choice`` (of ``tiles``, launched with PDL when ``pdl``) on random bf16 weights at every shape
+    (enough copies that 20 calls never re-read one from L2); one JSON line per shape to ``out`` (or stdout)."""
     rows = []
     fh = open(out, "w") if out else None  # closed in the finally below
     try:
         for name, (N, K) in shapes.items():
             copies = max(2, min(TIMING_CALLS, -(-200_000_000 // (2 * N * K))))
             ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-            row = {"shape": name, **time_gemv_choice(ws)}
+            row = {"shape": name, **time_gemv_choice(ws, tiles, pdl=pdl)}
             rows.append(row)
             print(json.dumps(row), file=fh, flush=True)
             del ws
@@ -275,15 +298,23 @@ def _main(argv: Sequence[str] | None = None) -> int:
         description="bf16 GEMV at M = 1: time cuBLAS and every GEMV_TILES tile at the 31B / 26B-A4B decode shapes.",
     )
     parser.add_argument("--out", default=None, help="JSONL file for the rows (default: stdout)")
+    parser.add_argument("--pdl", action="store_true", help="launch the gemv tiles with PDL (as pdl=on runs them)")
+    parser.add_argument("--preload", action="store_true", help="add GEMV_PRELOAD_CANDIDATES (two tiles before the wait)")
+    parser.add_argument("--only", default="", help="the SWEEP_SHAPES whose name starts with this, e.g. 26b-a4b")
     args = parser.parse_args(argv)
+    shapes = {k: v for k, v in SWEEP_SHAPES.items() if k.startswith(args.only)}
+    if not shapes:
+        print(f"--only {args.only!r} matches none of {', '.join(SWEEP_SHAPES)}")
+        return 2
     if not torch.cuda.is_available():
         print("perfkit.kernels.gemv needs a CUDA GPU (none visible); nothing timed.")
         return 2
-    rows = sweep_gemv(out=args.out)
+    tiles = GEMV_TILES + (GEMV_PRELOAD_CANDIDATES if args.preload else ())
+    rows = sweep_gemv(shapes, out=args.out, tiles=tiles, pdl=args.pdl)
     for r in rows:
         print(f"{r['shape']:<22} bound {r['bound_us']:>7.2f} us  cuBLAS {r['cublas_us']:>7.2f}  best {r['best']} "
               f"{r['best_us']:.2f}")  # fmt: skip
-    print(json.dumps({"tiles": [asdict(t) for t in GEMV_TILES]}))
+    print(json.dumps({"tiles": [asdict(t) for t in tiles], "pdl": args.pdl}))
     return 0
 
 
