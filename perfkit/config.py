@@ -111,6 +111,14 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "(on), vs plain launches (off); the same kernels and arithmetic, so the tokens are identical; auto = on "
         "where the GPU supports it; cuBLAS, FlashInfer and torch kernels always launch plainly",
     ),
+    "decode_fusion": (
+        ("on", "off"),
+        "on",
+        "batch-1 decode on the fused path in fewer launches per layer, each bit-identical to what it replaces (on): "
+        "the down gemv applies GeGLU as it loads the gate_up output (no gelu_mul kernel), and the 26B-A4B router's "
+        "product shares the dense gate_up's gemv launch; vs one launch each (off); the tokens are identical; no "
+        "effect with fused_kernels off, above one decode row, or on shapes decode_gemv leaves to cuBLAS",
+    ),
     "attention": (
         ("auto", "flashinfer", "torch"),
         "auto",
@@ -150,9 +158,11 @@ class Toggles(BaseModel):
     decode_attention: Literal["auto", "flashinfer", "triton"] = "auto"
     decode_gemv: Literal["auto", "cublas", "triton"] = "auto"
     pdl: Literal["auto", "on", "off"] = "auto"
+    decode_fusion: Literal["on", "off"] = "on"
     attention: Literal["auto", "flashinfer", "torch"] = "auto"
 
-    @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", "pdl", mode="before")
+    @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", "pdl", "decode_fusion",
+                     mode="before")  # fmt: skip
     @classmethod
     def _on_off(cls, value: Any) -> Any:
         return _yaml_on_off(value)
@@ -175,9 +185,11 @@ class PartialToggles(BaseModel):
     decode_attention: Literal["auto", "flashinfer", "triton"] | None = None
     decode_gemv: Literal["auto", "cublas", "triton"] | None = None
     pdl: Literal["auto", "on", "off"] | None = None
+    decode_fusion: Literal["on", "off"] | None = None
     attention: Literal["auto", "flashinfer", "torch"] | None = None
 
-    @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", "pdl", mode="before")
+    @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", "pdl", "decode_fusion",
+                     mode="before")  # fmt: skip
     @classmethod
     def _on_off(cls, value: Any) -> Any:
         return _yaml_on_off(value)

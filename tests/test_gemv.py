@@ -90,6 +90,41 @@ def test_gemv_one_hot_rows_pick_single_weights_exactly():
     assert torch.equal(gemv(x, w, GemvConfig(16, 32, 4)), w[:, [0, 47, 79]].t())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,N,K", [(1, 40, 208), (3, 17, 30), (1, 33, 2112)])
+def test_gemv_glu_is_gelu_mul_then_gemv_bit_for_bit(M, N, K, dtype):
+    """glu=True reads the (gate | up) halves of a row-strided [M, 2K] view (a merged gate_up output with more
+    columns after it) and gives exactly gemv(gelu_mul_cat(x), w): the same rounded input, the same sums."""
+    from perfkit.kernels.gelu_mul import gelu_mul_cat
+
+    gen = torch.Generator().manual_seed(K)
+    wide = torch.randn(M, 2 * K + 7, generator=gen).to(dtype).to(DEVICE)
+    x = wide[:, : 2 * K]
+    _, w = _operands(M, N, K, dtype, seed=N)
+    for cfg in (GemvConfig(16, 64, 4), GemvConfig(8, 32, 2, preload=2), INTERPRETER_TILE):
+        out = gemv(x, w, cfg, glu=True)
+        assert torch.equal(out, gemv(gelu_mul_cat(x), w, cfg))
+        ref = gemv_ref(x, w, glu=True)
+        assert (out.float() - ref).abs().max() <= 0.02 * ref.abs().max() + 1e-6
+    with pytest.raises(ValueError, match="do not match"):
+        gemv(x[:, :K], w, glu=True)  # glu takes both halves
+
+
+@pytest.mark.parametrize("N2", [128, 7])
+def test_gemv_pair_is_two_gemvs_bit_for_bit(N2):
+    """Two independent products in one launch (the MoE router beside the dense gate_up): each output equals its
+    own gemv exactly, whatever the second product's rows (partial last block, fewer rows than one block)."""
+    x, w = _operands(1, 72, 96, torch.bfloat16, seed=1)
+    x2, w2 = _operands(1, N2, 96, torch.bfloat16, seed=2)
+    for cfg in (GemvConfig(16, 32, 4), GemvConfig(32, 64, 4, preload=2)):
+        a, b = gv.gemv_pair(x, w, x2, w2, cfg)
+        assert torch.equal(a, gemv(x, w, cfg)) and torch.equal(b, gemv(x2, w2, cfg))
+    with pytest.raises(ValueError, match="do not match"):
+        gv.gemv_pair(x, w, x2[:, :64], w2[:, :64])  # K differs
+    with pytest.raises(ValueError, match="rows"):
+        gv.gemv_pair(x, w, x2.expand(2, -1), w2)
+
+
 def test_gemv_rejects_mismatched_operands():
     x, w = _operands(1, 8, 32, torch.bfloat16)
     with pytest.raises(ValueError, match="do not match"):
@@ -121,6 +156,7 @@ def test_traffic_formula():
     t = gemv_traffic(1, 5376, 8192)
     assert t["weight_bytes"] == 2 * 5376 * 8192
     assert t["total_bytes"] == 2 * (5376 * 8192 + 8192 + 5376)
+    assert gemv_traffic(1, 2816, 2112, glu=True)["total_bytes"] == 2 * (2816 * 2112 + 2 * 2112 + 2816)
     assert t["bound_us"] == pytest.approx(t["total_bytes"] / 4.3e12 * 1e6)
 
 

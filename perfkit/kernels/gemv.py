@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from perfkit.kernels.gelu_mul import _gelu_tanh_f32
 from perfkit.kernels.launch import interpreting
 from perfkit.kernels.pdl import pdl_enter, pdl_launch
 from perfkit.kernels.timing import graph_sequence_us
@@ -54,6 +55,25 @@ from perfkit.kernels.w4a16_gemm import HBM_BYTES_PER_S
 MAX_BLOCK_M = 4  # the most rows of x one program takes (more rows: the weight is streamed once per 4 rows)
 TIMING_CALLS = 20  # calls per timed CUDA graph: enough distinct weights in a row that L2 holds none of them
 TIMING_REPLAYS = 15
+
+
+@triton.jit
+def _x_step(x_ptrs, k0, K, mask, GLU: tl.constexpr):
+    """One step's x tile [BM, 1, BK] (x dtype). GLU: gelu_tanh(gate) * up of the step's columns of the two halves
+    [0, K) / [K, 2K) of x, in fp32 and rounded once to x's dtype: the value ``gelu_mul`` would have stored, so the
+    product is bit-identical to gemv(gelu_mul_cat(x), w). Masked entries are 0 either way (gelu(0) * 0)."""
+    if GLU:
+        if mask is None:
+            g = tl.load(x_ptrs + k0)
+            u = tl.load(x_ptrs + K + k0)
+        else:
+            g = tl.load(x_ptrs + k0, mask=mask, other=0.0)
+            u = tl.load(x_ptrs + K + k0, mask=mask, other=0.0)
+        return (_gelu_tanh_f32(g.to(tl.float32)) * u.to(tl.float32)).to(g.dtype)
+    elif mask is None:
+        return tl.load(x_ptrs + k0)
+    else:
+        return tl.load(x_ptrs + k0, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -67,15 +87,30 @@ def _gemv_kernel(
     stride_xm,
     stride_wn,
     stride_om,
+    x2_ptr,  # PAIR: the second product's [M, K2 = K] activations, [N2, K] weight and [M, N2] output; program
+    w2_ptr,  # columns from n_blocks1 on compute it (same K, same tile)
+    out2_ptr,
+    N2,
+    n_blocks1,  # programs along N of the first product: cdiv(N, BLOCK_N)
+    stride_x2m,
+    stride_w2n,
+    stride_o2m,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVICT: tl.constexpr,  # "evict_first" (streaming weight loads) or ""
     PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py): the first weight tile loads first
     PRELOAD: tl.constexpr = 1,  # weight tiles in flight before the wait (1 or 2; 2 keeps three tiles live)
+    GLU: tl.constexpr = 0,  # x is [M, 2K] (gate | up): the product's input is gelu_tanh(gate) * up in x's dtype
+    PAIR: tl.constexpr = 0,  # a second, independent product in the same launch (x2_ptr ...)
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    if PAIR:
+        if pid_n >= n_blocks1:  # this program computes rows of the second product
+            pid_n -= n_blocks1
+            x_ptr, w_ptr, out_ptr, N = x2_ptr, w2_ptr, out2_ptr, N2
+            stride_xm, stride_wn, stride_om = stride_x2m, stride_w2n, stride_o2m
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N / M re-read the last row (never stored): no masks
@@ -94,7 +129,7 @@ def _gemv_kernel(
                      eviction_policy=EVICT)  # fmt: skip
     pdl_enter(PDL)  # x is the predecessor's output; the weight is constant, so its first tiles are already in flight
     for k0 in range(0, k_main, BLOCK_K):
-        x = tl.load(x_ptrs + k0)
+        x = _x_step(x_ptrs, k0, K, None, GLU)
         if PRELOAD == 2:  # three tiles live: this step's, the next one's and the one after
             w_next = tl.load(w_ptrs + tl.minimum(k0 + 2 * BLOCK_K, k_main - BLOCK_K), eviction_policy=EVICT)
             acc = tl.fma(w.to(tl.float32), x.to(tl.float32), acc)
@@ -106,7 +141,7 @@ def _gemv_kernel(
             w = w_next
     if k_main < K:  # the K tail: one masked step
         km = (k_main + k < K)[None, None, :]
-        x = tl.load(x_ptrs + k_main, mask=km, other=0.0)
+        x = _x_step(x_ptrs, k_main, K, km, GLU)
         w = tl.load(w_ptrs + k_main, mask=km, other=0.0, eviction_policy=EVICT)
         acc = tl.fma(w.to(tl.float32), x.to(tl.float32), acc)
     y = tl.sum(acc, axis=2)  # [BM, BN]
@@ -143,18 +178,24 @@ class GemvConfig:
 # The candidates ``time_gemv_choice`` times per shape: the best tile of each 31B / 26B-A4B shape in 12-05's H200
 # sweep (14 tiles x 14 shapes, docs/h200-runs/2026-12-05/3-gemv_sweep.jsonl). 16 x 512 evict-first: long K (31B
 # o_proj / down); 8 x 1024 evict-first: 26B-A4B o_proj and router; 4 x 512 on 2 warps: K 2-5K with N up to 43K
-# (31B qkv full, gate_up; 26B-A4B gate_up, down); 32 x 256: very many rows (LM head, 26B-A4B qkv full).
+# (31B qkv full, gate_up; 26B-A4B gate_up, down); 32 x 256: very many rows (LM head, 26B-A4B qkv full). 32 x 256 with
+# preload 2 (two weight tiles in flight before the PDL wait): 26B-A4B qkv sliding 8192 x 2816 12.78 vs 13.35 us for
+# the best preload-1 tile, the only shape where a preload-2 candidate won by more than 1.5 % (12-07,
+# docs/h200-runs/2026-12-07/1-gemv_preload.jsonl, PDL on).
 GEMV_TILES: tuple[GemvConfig, ...] = (
     GemvConfig(16, 512, 4, evict_first=True),
     GemvConfig(8, 1024, 4, evict_first=True),
     GemvConfig(4, 512, 2),
     GemvConfig(32, 256, 4),
+    GemvConfig(32, 256, 4, preload=2),
 )
 # Candidates of 12-06, CPU-tested, never timed: the same tiles with two weight tiles loaded before the PDL wait
 # (``preload=2``). With PDL a gemv's CTAs are resident while their predecessor runs; a 26B-A4B layer's small products
 # (2816 x 2112: two 1024-wide steps and a tail per row) could then have most of their weight in flight before the
 # wait. Timed by ``python3 -m perfkit.kernels.gemv --pdl --preload``.
-GEMV_PRELOAD_CANDIDATES: tuple[GemvConfig, ...] = tuple(replace(t, preload=2) for t in GEMV_TILES)
+GEMV_PRELOAD_CANDIDATES: tuple[GemvConfig, ...] = tuple(
+    c for c in (replace(t, preload=2) for t in GEMV_TILES) if c not in GEMV_TILES
+)
 # The CPU interpreter runs one program at a time in Python: one wide tile per problem.
 INTERPRETER_TILE = GemvConfig(64, 128, 4)
 
@@ -171,44 +212,89 @@ def default_tile(N: int, K: int) -> GemvConfig:
     return GEMV_TILES[2]
 
 
-def gemv(
-    x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None, out: torch.Tensor | None = None,
-    pdl: bool = False,
-):  # fmt: skip
-    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype (``out`` if given). x and w share a dtype and have unit stride
-    along K. Meant for M = 1; larger M is correct but streams the weight once per MAX_BLOCK_M rows. pdl: launch
-    with programmatic dependent launch (perfkit/kernels/pdl.py; sm_90+ only)."""
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != w.dtype:
+def _check_operands(x: torch.Tensor, w: torch.Tensor, k_x: int) -> None:
+    """x [M, k_x] and w [N, K] share a dtype, have unit stride along K, and k_x is what x must hold."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != k_x or x.dtype != w.dtype:
         raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} and w {tuple(w.shape)} {w.dtype} do not match")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("gemv: x and w need unit stride along K")
-    M, K = x.shape
-    N = w.shape[0]
+
+
+def gemv(
+    x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None, out: torch.Tensor | None = None,
+    pdl: bool = False, *, glu: bool = False,
+):  # fmt: skip
+    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype (``out`` if given). x and w share a dtype and have unit stride
+    along K. Meant for M = 1; larger M is correct but streams the weight once per MAX_BLOCK_M rows. pdl: launch
+    with programmatic dependent launch (perfkit/kernels/pdl.py; sm_90+ only). glu: x is [M, 2K], the (gate | up)
+    output of a merged gate_up product, and the product's input is gelu_tanh(gate) * up rounded to x's dtype: the
+    result is bit-identical to ``gemv(gelu_mul_cat(x), w)`` with one launch less (a decode MLP's down product)."""
+    K = w.shape[1] if w.dim() == 2 else -1
+    _check_operands(x, w, 2 * K if glu else K)
+    return _launch(x, w, out, config, pdl, glu=glu)
+
+
+def gemv_pair(
+    x: torch.Tensor, w: torch.Tensor, x2: torch.Tensor, w2: torch.Tensor, config: GemvConfig | None = None,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(x @ w^T, x2 @ w2^T) in one launch: two independent products with the same K (x [M, K], w [N, K],
+    x2 [M, K], w2 [N2, K], one dtype), on ``config``'s tile. Each output row is computed exactly as ``gemv`` would
+    compute it alone (bit-identical). Why: a 26B-A4B MoE layer's router (128 x 2816, 0.7 MB, ~2.4 us alone on the
+    H200, docs/h200-runs/2026-12-07/1-gemv_preload.jsonl, against a 0.17 us weight read) rides in the dense
+    gate_up's launch (4224 x 2816), which reads the same residual's norms."""
+    K = w.shape[1] if w.dim() == 2 else -1
+    _check_operands(x, w, K)
+    _check_operands(x2, w2, K)
+    if x2.shape[0] != x.shape[0]:
+        raise ValueError(f"gemv_pair: x has {x.shape[0]} rows, x2 {x2.shape[0]}")
+    if w2.shape[0] < 2:  # a 1-row second product would be a compile-time constant N: launch it alone
+        return gemv(x, w, config, pdl=pdl), gemv(x2, w2, config, pdl=pdl)
+    out2 = torch.empty(x2.shape[0], w2.shape[0], dtype=x2.dtype, device=x2.device)
+    return _launch(x, w, None, config, pdl, pair=(x2, w2, out2)), out2
+
+
+def _launch(
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: GemvConfig | None, pdl: bool,
+    glu: bool = False, pair: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """One ``_gemv_kernel`` launch on checked operands (w [N, K]; x [M, K], or [M, 2K] with glu; pair: x2, w2 and
+    the second output, whose row blocks follow the first product's on grid axis 0)."""
+    M = x.shape[0]
+    N, K = w.shape
     cfg = config or default_tile(N, K)
     bm = min(MAX_BLOCK_M, triton.next_power_of_2(M))
-    bn = min(cfg.block_n, triton.next_power_of_2(N))
+    bn = min(cfg.block_n, triton.next_power_of_2(max(N, 0 if pair is None else pair[1].shape[0])))
     bk = min(cfg.block_k, max(16, triton.next_power_of_2(K)))
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
+    x2, w2, out2 = (x, w, out) if pair is None else pair
+    n_blocks1 = triton.cdiv(N, bn)
+    grid = (n_blocks1 + (0 if pair is None else triton.cdiv(w2.shape[0], bn)), triton.cdiv(M, bm))
     _gemv_kernel[grid](
         x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+        x2, w2, out2, w2.shape[0], n_blocks1, x2.stride(0), w2.stride(0), out2.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVICT="evict_first" if cfg.evict_first else "", PRELOAD=cfg.preload,
-        num_warps=cfg.num_warps, **pdl_launch(pdl),
+        GLU=int(glu), PAIR=int(pair is not None), num_warps=cfg.num_warps, **pdl_launch(pdl),
     )  # fmt: skip
     return out
 
 
-def gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The reference: fp32 x @ fp32 w^T -> fp32 [M, N]."""
+def gemv_ref(x: torch.Tensor, w: torch.Tensor, glu: bool = False) -> torch.Tensor:
+    """The reference: fp32 x @ fp32 w^T -> fp32 [M, N]. glu: x [M, 2K] -> gelu_tanh(gate) * up in fp32, rounded
+    to x's dtype (what gelu_mul stores), first."""
+    if glu:
+        g, u = x.float().chunk(2, dim=1)
+        x = (torch.nn.functional.gelu(g, approximate="tanh") * u).to(x.dtype)
     return x.float() @ w.float().t()
 
 
-def gemv_traffic(M: int, N: int, K: int, elem_bytes: int = 2) -> dict[str, float]:
-    """DRAM bytes of one call (the weight once, x, the output) and their time at HBM_BYTES_PER_S."""
-    total = elem_bytes * (N * K + M * K + M * N)
+def gemv_traffic(M: int, N: int, K: int, elem_bytes: int = 2, glu: bool = False) -> dict[str, float]:
+    """DRAM bytes of one call (the weight once, x, the output) and their time at HBM_BYTES_PER_S. glu: x holds
+    both halves, 2K per row (the separate gelu_mul's write and re-read of M x K are gone)."""
+    total = elem_bytes * (N * K + (2 if glu else 1) * M * K + M * N)
     return {"weight_bytes": elem_bytes * N * K, "total_bytes": total, "bound_us": total / HBM_BYTES_PER_S * 1e6}
 
 

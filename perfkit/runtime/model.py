@@ -74,6 +74,7 @@ def _kernel_table(pdl: bool) -> SimpleNamespace:
         sandwich=bind(rmsnorm.sandwich_rmsnorm),
         gelu_mul=bind(gelu_mul.gelu_mul),
         gelu_mul_cat=bind(gelu_mul.gelu_mul_cat),
+        gemv_pair=bind(gemv.gemv_pair),
         qk_norm_rope=bind(qk_norm_rope.qk_norm_rope),
         qkv_norm_rope_split=bind(qk_norm_rope.qkv_norm_rope_split),
         split_qkv=qk_norm_rope.split_qkv,  # views only, no launch
@@ -248,6 +249,7 @@ class Gemma4MLP(nn.Module):
     fused = False
     gemv_tiles: GemvTiles = NO_GEMV  # set by Gemma4ForCausalLM.set_decode_gemv
     pdl = False  # set by Gemma4ForCausalLM.set_pdl
+    decode_fusion = False  # set by Gemma4ForCausalLM.set_decode_fusion
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -280,12 +282,43 @@ class Gemma4MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # [T, H] -> [T, H]
         if self.fused:
-            K, w, t, p = _kernels(self.pdl), self.merged_weight(), self.gemv_tiles, self.pdl
-            if w is not None:  # one GEMM -> [T, 2I], gelu_mul reads the two strided halves
-                return linear(K.gelu_mul_cat(linear(x, self.gate_up, t, p)), self.down_proj, t, p)
-            g, u = linear(x, self.gate_proj, t, p), linear(x, self.up_proj, t, p)
-            return linear(K.gelu_mul(g, u), self.down_proj, t, p)
+            return self.forward_fused(x)[0]
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward_fused(self, x: Tensor, side: tuple[Tensor, nn.Module] | None = None) -> tuple[Tensor, Tensor | None]:
+        """The MLP on the fused path -> (mlp(x) [T, H], side[1](side[0]) or None). side: (x2 [T, H], a linear of
+        the same in_features): a product of another input that rides in the gate_up launch when both are
+        one-row gemvs (the 26B-A4B router; see `_paired`), else runs as its own `linear`.
+
+        decode_fusion: the down product takes the gate_up output itself (gemv glu=True: GeGLU on load, no
+        gelu_mul launch) when it is a one-row gemv. Both forms are bit-identical to the separate launches."""
+        K, w, t, p = _kernels(self.pdl), self.merged_weight(), self.gemv_tiles, self.pdl
+        if w is None:  # unmerged (quantised, TP): separate products
+            g, u = linear(x, self.gate_proj, t, p), linear(x, self.up_proj, t, p)
+            s = None if side is None else linear(side[0], side[1], t, p)
+            return linear(K.gelu_mul(g, u), self.down_proj, t, p), s
+        paired = self._paired(x, w, side)
+        if paired is not None:
+            gu, s = K.gemv_pair(x, w, side[0], paired[0], paired[1])
+        else:  # one GEMM -> [T, 2I]
+            gu = linear(x, self.gate_up, t, p)
+            s = None if side is None else linear(side[0], side[1], t, p)
+        w_down = _plain_weight(self.down_proj) if self.decode_fusion else None
+        tile = _gemv_tile(gu, w_down, t)
+        if tile is not None:
+            return K.gemv(gu, w_down, tile, glu=True), s
+        return linear(K.gelu_mul_cat(gu), self.down_proj, t, p), s  # gelu_mul reads the two strided halves
+
+    def _paired(self, x: Tensor, w: Tensor, side: tuple[Tensor, nn.Module] | None) -> tuple[Tensor, object] | None:
+        """(side weight, gate_up's gemv tile) when decode_fusion is on and gate_up and the side product are both
+        one-row gemvs of the same K and dtype (`gemv_pair` launches them together on gate_up's tile); else None."""
+        if not self.decode_fusion or side is None:
+            return None
+        w2 = _plain_weight(side[1])
+        tile = _gemv_tile(x, w, self.gemv_tiles)
+        if tile is None or w2 is None or w2.shape[1] != w.shape[1] or _gemv_tile(side[0], w2, self.gemv_tiles) is None:
+            return None
+        return w2, tile
 
 
 class Gemma4Attention(nn.Module):
@@ -450,6 +483,7 @@ class Gemma4DecoderLayer(nn.Module):
     fused = False
     gemv_tiles: GemvTiles = NO_GEMV  # set by Gemma4ForCausalLM.set_decode_gemv
     pdl = False  # set by Gemma4ForCausalLM.set_pdl
+    decode_fusion = False  # set by Gemma4ForCausalLM.set_decode_fusion
 
     def __init__(self, cfg: Gemma4Config, layer: AttnLayer):
         super().__init__()
@@ -520,13 +554,14 @@ class Gemma4DecoderLayer(nn.Module):
             nxt += [self.pre_feedforward_layernorm_2.weight, self.router.scale]
             mults += [1.0, self.router.scalar_root_size]
         r, ys = K.sandwich(a, h, self.post_attention_layernorm.weight, eps, next_weights=nxt, next_mults=mults)
-        m = self.mlp(ys[0])
         x2 = None
-        if self.enable_moe_block:
-            logits = linear(ys[2], self.router.proj, t, p)
+        if self.enable_moe_block:  # the router product rides in the dense gate_up's launch where it can
+            m, logits = self.mlp.forward_fused(ys[0], side=(ys[2], self.router.proj))
             w, idx = K.moe_routing(logits, self.router.top_k, self.router.per_expert_scale)
             e = self.experts(ys[1], idx, w)
             x2 = (e, self.post_feedforward_layernorm_1.weight, self.post_feedforward_layernorm_2.weight)
+        else:
+            m = self.mlp(ys[0])
         last_next = [] if next_norm is None else [next_norm]  # emitted by the layer's last sandwich
         if self.has_ple:
             h, _ = K.sandwich(m, r, self.post_feedforward_layernorm.weight, eps, x2=x2)
@@ -602,6 +637,12 @@ class Gemma4ForCausalLM(nn.Module):
         may start while the kernel before it drains. Needs sm_90+ (the engine checks; toggle ``pdl``). Call before
         ``set_decode_gemv``: its timings depend on it."""
         self._set_module_flag("pdl", bool(on))
+
+    def set_decode_fusion(self, on: bool) -> None:
+        """Fewer launches per batch-1 decode layer on the fused path (toggle ``decode_fusion``), each bit-identical to
+        the launches it replaces: the down gemv applies GeGLU to the gate_up output as it loads it (no gelu_mul
+        launch), and the 26B-A4B router's product shares the dense gate_up's gemv launch (no router launch)."""
+        self._set_module_flag("decode_fusion", bool(on))
 
     def _set_module_flag(self, name: str, value: bool | None) -> bool:
         """``name = value`` on every submodule whose class declares ``name``; whether any does."""

@@ -1,0 +1,204 @@
+"""Toggle decode_fusion: batch-1 decode in fewer launches per layer, each fusion bit-identical to the launches it
+replaces. On CPU under TRITON_INTERPRET=1 (tests/conftest.py): the down gemv's GeGLU on load and the 26B-A4B
+router's product paired with the dense gate_up's gemv; which launches run (spies on the shared kernel namespace),
+logits equal bit for bit with the fusions on and off, the fallbacks (two rows, cuBLAS shapes), the engine toggle and
+its config. On the GPU: both kernels at real shapes, and the engine's greedy tokens identical with decode_fusion on
+and off (FlashInfer, CUDA graphs, the Triton decode, PDL) on real-width 31B / 26B-A4B models with 2 layers.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from perfkit.config import PartialToggles, Toggles  # noqa: E402
+from perfkit.runtime import model as model_mod  # noqa: E402
+from perfkit.runtime.attention.contiguous import ContiguousAttention  # noqa: E402
+from perfkit.runtime.engine import TOGGLES, Engine, EngineConfig  # noqa: E402
+from perfkit.runtime.model_config import get_preset  # noqa: E402
+from perfkit.runtime.weights import build_model  # noqa: E402
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _model(name: str):
+    cfg = get_preset(name)
+    model = build_model(cfg, "cpu", torch.float32, seed=0)
+    model.set_fused(True)
+    model.set_decode_gemv("triton")
+    return cfg, model
+
+
+def _forward(model, ids: torch.Tensor) -> torch.Tensor:
+    attn = ContiguousAttention()
+    attn.prepare(ids.numel())
+    return model(ids, torch.arange(ids.numel()), attn)
+
+
+class _Spy:
+    """Counts calls of the shared kernel namespace's launchers (model._kernels() is cached per pdl value)."""
+
+    NAMES = ("gemv", "gemv_pair", "gelu_mul_cat", "moe_routing")
+
+    def __init__(self, monkeypatch):
+        self.calls: dict[str, int] = dict.fromkeys(self.NAMES, 0)
+        self.glu = 0
+        ns = model_mod._kernels()
+        for name in self.NAMES:
+            monkeypatch.setattr(ns, name, self._wrap(name, getattr(ns, name)))
+
+    def _wrap(self, name, fn):
+        def spy(*args, **kwargs):
+            self.calls[name] += 1
+            self.glu += bool(kwargs.get("glu"))
+            return fn(*args, **kwargs)
+
+        return spy
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_fusions_are_bit_identical_and_launch_less(name, monkeypatch):
+    """One token: logits equal bit for bit with decode_fusion off and on; on, every MLP's down gemv takes the
+    gate_up output (no gelu_mul), and every MoE layer pairs its router with the dense gate_up (no router gemv)."""
+    cfg, model = _model(name)
+    ids = torch.tensor([5])
+    ref = _forward(model, ids)
+    spy = _Spy(monkeypatch)
+    model.set_decode_fusion(True)
+    out = _forward(model, ids)
+    assert torch.equal(out, ref)
+    L = cfg.num_hidden_layers
+    moe_layers = L if cfg.enable_moe_block else 0
+    assert spy.calls["gelu_mul_cat"] == 0 and spy.glu == L
+    assert spy.calls["gemv_pair"] == moe_layers and spy.calls["moe_routing"] == moe_layers
+    gemvs_on = spy.calls["gemv"]
+    model.set_decode_fusion(False)
+    spy.calls = dict.fromkeys(_Spy.NAMES, 0)
+    assert torch.equal(_forward(model, ids), ref)
+    assert spy.calls["gelu_mul_cat"] == L and spy.calls["gemv_pair"] == 0
+    assert spy.calls["gemv"] == gemvs_on + 2 * moe_layers  # gate_up and the router, apart
+
+
+def test_fallbacks_keep_the_separate_launches(monkeypatch):
+    """Two tokens: no gemv at all, so gelu_mul and the router's own GEMM run. cuBLAS shapes (decode_gemv=cublas):
+    nothing pairs or fuses into a gemv. Both equal the separate launches bit for bit."""
+    cfg, model = _model("tiny-moe")
+    ids = torch.tensor([5, 9])
+    ref = _forward(model, ids)
+    spy = _Spy(monkeypatch)
+    model.set_decode_fusion(True)
+    assert torch.equal(_forward(model, ids), ref)
+    L = cfg.num_hidden_layers
+    assert spy.calls["gemv_pair"] == 0 and spy.glu == 0 and spy.calls["gelu_mul_cat"] == L
+    model.set_decode_gemv("cublas")
+    one = torch.tensor([5])
+    model.set_decode_fusion(False)
+    ref1 = _forward(model, one)
+    model.set_decode_fusion(True)
+    spy.calls, spy.glu = dict.fromkeys(_Spy.NAMES, 0), 0
+    assert torch.equal(_forward(model, one), ref1)
+    assert spy.calls["gemv"] == 0 and spy.calls["gemv_pair"] == 0 and spy.glu == 0
+
+
+def test_set_decode_fusion_reaches_the_layers():
+    _, model = _model("tiny-moe")
+    model.set_decode_fusion(True)
+    flagged = [m for m in model.modules() if hasattr(type(m), "decode_fusion")]
+    assert {type(m).__name__ for m in flagged} == {"Gemma4MLP", "Gemma4DecoderLayer"}
+    assert all(m.decode_fusion for m in flagged)
+    twin = copy.deepcopy(model)
+    assert twin.layers[0].decode_fusion
+    model.set_decode_fusion(False)
+    assert not any(m.decode_fusion for m in flagged)
+
+
+def test_toggle_config_and_engine_tokens():
+    """The toggle's values and default; an engine (torch attention, fused path, gemv) gives the same tokens with
+    decode_fusion on, off, and switched on a live engine."""
+    assert TOGGLES["decode_fusion"] == ("on", "off")
+    assert Toggles().decode_fusion == "on" and Toggles(decode_fusion=False).decode_fusion == "off"  # YAML's off
+    assert PartialToggles(decode_fusion=True).decode_fusion == "on"
+    cfg = get_preset("tiny-moe")
+    model = build_model(cfg, "cpu", torch.float32, seed=0)
+    kw = dict(attention="torch", page_size=4, max_batch_size=4, max_num_tokens=16, num_kv_pages=200,
+              cuda_graphs=False, mask="dense", max_model_len=128, fused_kernels=True, decode_gemv="triton")  # fmt: skip
+    prompts = [[5, 6, 7], [9, 4], [11, 12, 13, 14]]
+
+    def run(engine):
+        rids = [engine.add_request(p, max_new_tokens=3 + i) for i, p in enumerate(prompts)]
+        got = engine.generate_all()
+        return [got[r] for r in rids]
+
+    off = run(Engine(copy.deepcopy(model), cfg, EngineConfig(**kw)))
+    on = run(Engine(copy.deepcopy(model), cfg, EngineConfig(**kw, decode_fusion=True)))
+    live = Engine(model, cfg, EngineConfig(**kw))
+    live.set_toggle("decode_fusion", "on")
+    assert live.toggles()["decode_fusion"] == "on" and model.layers[0].decode_fusion
+    assert off == on == run(live)
+
+
+# ---- GPU ---------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("N,K", [(2816, 2112), (5376, 21504)])
+def test_gpu_glu_gemv_is_gelu_mul_then_gemv(N, K):
+    from perfkit.kernels.gelu_mul import gelu_mul_cat
+    from perfkit.kernels.gemv import GEMV_TILES, gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(N)
+    x = torch.randn(1, 2 * K, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(N, K, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    for tile in GEMV_TILES:
+        for pdl in (False, True):
+            assert torch.equal(gemv(x, w, tile, glu=True, pdl=pdl), gemv(gelu_mul_cat(x), w, tile, pdl=pdl))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_gemv_pair_is_two_gemvs():
+    """The 26B-A4B dense gate_up (4224 x 2816) with its router (128 x 2816), every tile."""
+    from perfkit.kernels.gemv import GEMV_TILES, gemv, gemv_pair
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x, x2 = (torch.randn(1, 2816, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+    w = (torch.randn(4224, 2816, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    w2 = (torch.randn(128, 2816, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    for tile in GEMV_TILES:
+        a, b = gemv_pair(x, w, x2, w2, tile, pdl=True)
+        assert torch.equal(a, gemv(x, w, tile)) and torch.equal(b, gemv(x2, w2, tile))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("preset", ["31b", "26b-a4b"])
+def test_gpu_engine_tokens_identical_with_decode_fusion(preset):
+    """Real widths with 2 layers, FlashInfer + CUDA graphs + the fused path, decode_gemv=triton, the Triton decode
+    (max_batch_size 8), PDL where available, staggered lengths (mixed steps, then batch-1 tails): decode_fusion on
+    gives the same tokens as off, and so does switching it on a live engine."""
+    from perfkit.kernels.pdl import pdl_available
+
+    cfg = get_preset(preset, num_layers=2)
+    model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
+    rng = random.Random(29)
+    reqs = [[rng.randint(3, 250_000 - 1) for _ in range(rng.randint(1, 200))] for _ in range(12)]
+    kw = dict(attention="flashinfer", cuda_graphs=True, page_size=16, max_batch_size=8, max_num_tokens=512,
+              num_kv_pages=2000, max_model_len=1024, mask="triton", fused_kernels=True, decode_gemv="triton",
+              pdl=pdl_available(torch.device("cuda")))  # fmt: skip
+
+    def run(e):
+        rids = [e.add_request(p, max_new_tokens=8 + (i % 5) * 6) for i, p in enumerate(reqs)]
+        got = e.generate_all()
+        e.bm.check_no_leaks()
+        return [got[r] for r in rids]
+
+    outs = [run(Engine(model, cfg, EngineConfig(**kw, decode_fusion=f))) for f in (False, True)]
+    live = Engine(model, cfg, EngineConfig(**kw))
+    live.set_toggle("decode_fusion", "on")
+    assert live.toggles()["decode_fusion"] == "on"
+    outs.append(run(live))
+    assert outs[0] == outs[1] == outs[2]
