@@ -33,6 +33,9 @@ decoder layer is, in launches:
 - One-row GEMMs (batch-1 decode): every product of a plain weight (merged rows, nn.Linear, the tied LM head) goes
   through `linear(x, lin, tiles)`, which takes perfkit's gemv (perfkit/kernels/gemv.py) when `set_decode_gemv` gave
   the weight's (N, K, dtype) a tile (toggle decode_gemv), else cuBLAS; more than one row is always cuBLAS.
+- Fewer launches at batch 1 (`set_decode_fusion`, toggle decode_fusion), where both products are gemvs: the down
+  gemv applies GeGLU to the [1, 2I] gate_up output as it loads it (no gelu_mul launch), and a MoE layer's router
+  product rides in the dense gate_up's launch (`gemv_pair`). Bit-identical to the separate launches.
 
 Module structure, nn.Linear attributes and parameter names are the same on both paths; triton is imported only
 when the fused path is switched on.
