@@ -27,6 +27,11 @@ step. Rows past N / M are clamped on load and masked on store. ``evict_first`` m
 (each weight byte is read once); it won on the long-K shapes (31B o_proj 5376 x 8192: 22.4 vs 23.8 us) and lost on
 the 26B-A4B LM head (356.7 vs 349.9).
 
+Two fused forms, for launches a batch-1 decode step can do without (toggle decode_fusion, 12-07: 26B-A4B c1 TPOT
+3.115 -> 3.009 ms): ``glu=True`` takes a merged gate_up output [M, 2I] and applies GeGLU as it loads each x step (the
+MLP's down product without the gelu_mul launch), and ``gemv_pair`` runs two independent products of the same K in
+one grid (the 26B-A4B router beside the dense gate_up). Both compute each output exactly as the separate launches.
+
 Traffic (``gemv_traffic``): N*K*e weight bytes + M*K*e (x) + M*N*e (out), e = 2 bytes; at M = 1 the weight is
 all of it.
 
