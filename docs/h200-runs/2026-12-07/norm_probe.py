@@ -19,7 +19,6 @@ CPU check: `TRITON_INTERPRET=1 python3 docs/h200-runs/2026-12-07/norm_probe.py -
 """
 
 import json
-import statistics
 import sys
 
 import torch
@@ -29,6 +28,7 @@ import triton.language as tl
 from perfkit.kernels import gemv as gv
 from perfkit.kernels import rmsnorm as rn
 from perfkit.kernels.pdl import pdl_enter, pdl_launch
+from perfkit.kernels.timing import graph_sequence_us
 
 CHAIN_LEN = 20
 EPS = 1e-6
@@ -81,31 +81,6 @@ def gemv_norm(a, nw, w, out, cfg, pdl: bool):
     return out
 
 
-def chain_us(links) -> float:
-    """Median us per link of the links (callables) captured back to back in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in links:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in links:
-            f()
-    for _ in range(3):
-        g.replay()
-    ts = []
-    for _ in range(15):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / len(links))
-    return statistics.median(ts)
-
-
 def probe_shape(name: str, N: int, K: int, cfg) -> None:
     copies = max(2, min(CHAIN_LEN, -(-200_000_000 // (2 * N * K))))
     ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -122,7 +97,7 @@ def probe_shape(name: str, N: int, K: int, cfg) -> None:
     for arm, fn in arms.items():
         row = {"shape": name, "N": N, "K": K, "tile": cfg.label, "arm": arm}
         try:
-            row["us_per_link"] = round(chain_us([lambda i=i, fn=fn: fn(i) for i in range(CHAIN_LEN)]), 2)
+            row["us_per_link"] = round(graph_sequence_us(fn, range(CHAIN_LEN), CHAIN_LEN, 15), 2)
             fn(0)
             torch.cuda.synchronize()
             row["max_abs_diff"] = float((out.float() - ref).abs().max())
