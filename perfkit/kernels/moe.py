@@ -83,6 +83,7 @@ import triton
 import triton.language as tl
 
 from perfkit.kernels.fp8 import quantize_fp8_rowwise
+from perfkit.kernels.gelu_mul import _gelu_tanh_f32
 from perfkit.kernels.launch import interpreting
 from perfkit.kernels.pdl import pdl_enter, pdl_launch
 from perfkit.kernels.timing import graph_ms
@@ -177,12 +178,6 @@ def _moe_routing_kernel(
     wv = wv * tl.load(scale_ptr + iv, mask=km, other=0.0).to(tl.float32)
     tl.store(w_ptr + t * TOP_K + kk, wv, mask=km)
     tl.store(idx_ptr + t * TOP_K + kk, iv, mask=km)
-
-
-@triton.jit
-def _gelu_tanh_f32(g):
-    z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-    return g / (1.0 + tl.exp(tl.minimum(-2.0 * z, 80.0)))
 
 
 @triton.jit
