@@ -105,6 +105,50 @@ def test_fallbacks_keep_the_separate_launches(monkeypatch):
     assert spy.calls["gemv"] == 0 and spy.calls["gemv_pair"] == 0 and spy.glu == 0
 
 
+def test_a_down_shape_without_a_glu_tile_keeps_gelu_mul(monkeypatch):
+    """decode_gemv=auto leaves a down shape out of ``glu_tiles`` where the GLU form timed slower (31B's down, 12-08):
+    decode_fusion then runs gelu_mul and the plain down gemv there, and the router still pairs."""
+    cfg, model = _model("tiny-moe")
+    ids = torch.tensor([5])
+    ref = _forward(model, ids)
+    assert model._down_keys() and all(m.glu_tiles for m in model.modules() if isinstance(m, model_mod.Gemma4MLP))
+    model._set_module_flag("glu_tiles", {})
+    model.set_decode_fusion(True)
+    spy = _Spy(monkeypatch)
+    assert torch.equal(_forward(model, ids), ref)
+    L = cfg.num_hidden_layers
+    assert spy.glu == 0 and spy.calls["gelu_mul_cat"] == L and spy.calls["gemv_pair"] == L
+
+
+def test_glu_timing_picks_the_glu_form_only_where_it_beats_the_two_launches(monkeypatch):
+    """time_gemv_choice(glu=True) with a scripted timer (each timed function still runs once, under the
+    interpreter): the GLU row names the separate chain unless a GLU tile beat it outright."""
+    from perfkit.kernels import gemv as gv
+
+    def scripted(times):
+        it = iter(times)
+
+        def fake(fn, args, calls, replays):
+            fn(args[0])
+            return next(it)
+
+        return fake
+
+    w = torch.randn(8, 32)
+    n = len(gv.GEMV_TILES)
+    # cuBLAS 10, the plain tiles 9..., the separate chain 12, the GLU tiles 13...: the chain wins
+    monkeypatch.setattr(gv, "graph_sequence_us", scripted([10.0, *range(9, 9 - n, -1), 12.0, *range(13, 13 + n)]))
+    row = gv.time_gemv_choice([w], glu=True)
+    assert row["best"] == gv.GEMV_TILES[-1].label and row["glu"]["best"] == "separate"
+    assert row["glu"]["separate_us"] == 12.0 and len(row["glu"]["tiles"]) == n
+    # the second GLU tile beats the chain: it is the GLU row's winner
+    monkeypatch.setattr(gv, "graph_sequence_us", scripted([10.0, *[11.0] * n, 12.0, 13.0, 11.5, *[14.0] * (n - 2)]))
+    row = gv.time_gemv_choice([w], glu=True)
+    assert row["best"] == "cublas" and row["glu"]["best"] == gv.GEMV_TILES[1].label and row["glu"]["best_us"] == 11.5
+    monkeypatch.setattr(gv, "graph_sequence_us", scripted([10.0, *[11.0] * n]))
+    assert "glu" not in gv.time_gemv_choice([w])
+
+
 def test_set_decode_fusion_reaches_the_layers():
     _, model = _model("tiny-moe")
     model.set_decode_fusion(True)

@@ -346,6 +346,11 @@ def test_gpu_auto_times_the_model_shapes_and_matches_cublas():
     assert set(summary["shapes"]) == {f"{n}x{k}" for n, k, _ in model.decode_weights()}
     assert all(r["best"] == "cublas" or r["best_us"] < r["cublas_us"] for r in summary["shapes"].values())
     assert model.set_decode_gemv("auto")["shapes"] == summary["shapes"]  # timed once per model
+    mlp = next(m for m in model.modules() if isinstance(m, model_mod.Gemma4MLP))
+    for key in model._down_keys():  # the GLU form: timed on the down shape, taken only where it won
+        glu = summary["shapes"][f"{key[0]}x{key[1]}"]["glu"]
+        assert glu["best"] == "separate" or glu["best_us"] < glu["separate_us"]
+        assert (key in mlp.glu_tiles) == (glu["best"] != "separate")
     model.set_decode_gemv("triton")
     out = _forward(model, ids, pos)
     torch.testing.assert_close(out, ref, atol=0.02 * ref.abs().max().item(), rtol=0)

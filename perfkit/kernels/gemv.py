@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from perfkit.kernels.gelu_mul import _gelu_tanh_f32
+from perfkit.kernels.gelu_mul import _gelu_tanh_f32, gelu_mul_cat
 from perfkit.kernels.launch import interpreting
 from perfkit.kernels.pdl import pdl_enter, pdl_launch
 from perfkit.kernels.timing import graph_sequence_us
@@ -314,39 +314,70 @@ def time_gemv_choice(
     calls: int = TIMING_CALLS,
     replays: int = TIMING_REPLAYS,
     pdl: bool = False,
+    glu: bool = False,
 ) -> dict:
     """Time cuBLAS (``x @ w^T``) and each tile at M = 1 on CUDA ``weights`` (one [N, K] shape and dtype, e.g. the
     same projection of every layer): {"cublas_us", "tiles": {label: us}, "best": label or "cublas", "best_us"}.
     The winner must beat cuBLAS outright; a tile that fails to compile is recorded as its error string. pdl: the
     tiles launch with PDL, as the engine will run them (a chain of them then overlaps each call's start with the
-    previous one's end; cuBLAS never does)."""
+    previous one's end; cuBLAS never does).
+
+    glu (the MLP's down shapes): also {"glu": {"separate_us", "tiles", "best": label or "separate", "best_us"}},
+    each tile's GLU form (GeGLU on load, one launch) against [gelu_mul_cat -> this shape's winner]. Which wins
+    depends on the shape: every program applies GeGLU to all of its K columns, so the GLU form's extra work
+    grows as N / BLOCK_N x K (12-08, ``docs/h200-runs/2026-12-08/``: on 31B's down, 5376 x 21504 on the 4 x 512
+    tile, the fused form made the whole step 1.7 % slower, while 26B-A4B's 2816 x 2112 gained)."""
     w0 = weights[0]
     if any(w.shape != w0.shape or w.dtype != w0.dtype for w in weights):
         raise ValueError("time_gemv_choice: the weights must share one shape and dtype")
     N, K = w0.shape
     gen = torch.Generator(device=w0.device).manual_seed(0)
-    x = (torch.randn(1, K, device=w0.device, generator=gen) * 0.5).to(w0.dtype)
+    x = (torch.randn(1, 2 * K if glu else K, device=w0.device, generator=gen) * 0.5).to(w0.dtype)
     out = torch.empty(1, N, dtype=w0.dtype, device=w0.device)
     row: dict = {"N": N, "K": K, "dtype": str(w0.dtype).removeprefix("torch."), "weights": len(weights), "pdl": pdl,
                  "bound_us": round(gemv_traffic(1, N, K, w0.element_size())["bound_us"], 2)}  # fmt: skip
-    row["cublas_us"] = round(graph_sequence_us(lambda w: torch.mm(x, w.t(), out=out), weights, calls, replays), 2)
-    row["tiles"] = {}
-    best, best_us = "cublas", row["cublas_us"]
-    for cfg in tiles:
-        try:
-            us = round(graph_sequence_us(lambda w, c=cfg: gemv(x, w, c, out=out, pdl=pdl), weights, calls, replays), 2)
-        except Exception as exc:  # a tile that does not compile here: recorded, never chosen
-            row["tiles"][cfg.label] = f"{type(exc).__name__}: {exc}"[:200]
-            continue
-        row["tiles"][cfg.label] = us
-        if us < best_us:
-            best, best_us = cfg.label, us
-    row["best"], row["best_us"] = best, best_us
+    x1 = x[:, :K]
+    row["cublas_us"] = round(graph_sequence_us(lambda w: torch.mm(x1, w.t(), out=out), weights, calls, replays), 2)
+    row["tiles"], row["best"], row["best_us"] = _time_tiles(
+        lambda w, c: gemv(x1, w, c, out=out, pdl=pdl), weights, tiles, calls, replays, ("cublas", row["cublas_us"])
+    )
+    if glu:
+        plain = tile_by_label(row["best"])
+
+        def separate(w: torch.Tensor) -> None:
+            h = gelu_mul_cat(x, pdl=pdl)  # [1, K]
+            torch.mm(h, w.t(), out=out) if plain is None else gemv(h, w, plain, out=out, pdl=pdl)
+
+        sep_us = round(graph_sequence_us(separate, weights, calls, replays), 2)
+        timed = _time_tiles(
+            lambda w, c: gemv(x, w, c, out=out, pdl=pdl, glu=True), weights, tiles, calls, replays, ("separate", sep_us)
+        )
+        row["glu"] = {"separate_us": sep_us, **dict(zip(("tiles", "best", "best_us"), timed, strict=True))}
     return row
 
 
+def _time_tiles(
+    fn, weights: Sequence[torch.Tensor], tiles: Sequence[GemvConfig], calls: int, replays: int,
+    baseline: tuple[str, float],
+) -> tuple[dict[str, float | str], str, float]:  # fmt: skip
+    """({label: us per call of fn(w, tile)}, the winner's label, its us): the winner must beat ``baseline`` (label,
+    us) outright; a tile that fails to compile is recorded as its error string, never chosen."""
+    times: dict[str, float | str] = {}
+    best, best_us = baseline
+    for cfg in tiles:
+        try:
+            us = round(graph_sequence_us(lambda w, c=cfg: fn(w, c), weights, calls, replays), 2)
+        except Exception as exc:  # a tile that does not compile here
+            times[cfg.label] = f"{type(exc).__name__}: {exc}"[:200]
+            continue
+        times[cfg.label] = us
+        if us < best_us:
+            best, best_us = cfg.label, us
+    return times, best, best_us
+
+
 def tile_by_label(label: str) -> GemvConfig | None:
-    """The GEMV_TILES entry with this label (None for "cublas")."""
+    """The GEMV_TILES entry with this label (None for "cublas" or "separate")."""
     return next((t for t in GEMV_TILES if t.label == label), None)
 
 

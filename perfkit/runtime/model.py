@@ -34,7 +34,8 @@ decoder layer is, in launches:
   through `linear(x, lin, tiles)`, which takes perfkit's gemv (perfkit/kernels/gemv.py) when `set_decode_gemv` gave
   the weight's (N, K, dtype) a tile (toggle decode_gemv), else cuBLAS; more than one row is always cuBLAS.
 - Fewer launches at batch 1 (`set_decode_fusion`, toggle decode_fusion), where both products are gemvs: the down
-  gemv applies GeGLU to the [1, 2I] gate_up output as it loads it (no gelu_mul launch), and a MoE layer's router
+  gemv applies GeGLU to the [1, 2I] gate_up output as it loads it (no gelu_mul launch; only on the down shapes
+  `set_decode_gemv` gave a GLU tile, which auto does where that form timed faster), and a MoE layer's router
   product rides in the dense gate_up's launch (`gemv_pair`). Bit-identical to the separate launches.
 
 Module structure, nn.Linear attributes and parameter names are the same on both paths; triton is imported only
@@ -253,6 +254,7 @@ class Gemma4MLP(nn.Module):
     gemv_tiles: GemvTiles = NO_GEMV  # set by Gemma4ForCausalLM.set_decode_gemv
     pdl = False  # set by Gemma4ForCausalLM.set_pdl
     decode_fusion = False  # set by Gemma4ForCausalLM.set_decode_fusion
+    glu_tiles: GemvTiles = NO_GEMV  # set by set_decode_gemv: the down shapes whose GLU gemv form decode_fusion takes
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -294,7 +296,8 @@ class Gemma4MLP(nn.Module):
         one-row gemvs (the 26B-A4B router; see `_paired`), else runs as its own `linear`.
 
         decode_fusion: the down product takes the gate_up output itself (gemv glu=True: GeGLU on load, no
-        gelu_mul launch) when it is a one-row gemv. Both forms are bit-identical to the separate launches."""
+        gelu_mul launch) when it is one row and `glu_tiles` has a tile for its shape (decode_gemv=auto: where that
+        form timed faster than the two launches). Both forms are bit-identical to the separate launches."""
         K, w, t, p = _kernels(self.pdl), self.merged_weight(), self.gemv_tiles, self.pdl
         if w is None:  # unmerged (quantised, TP): separate products
             g, u = linear(x, self.gate_proj, t, p), linear(x, self.up_proj, t, p)
@@ -307,7 +310,7 @@ class Gemma4MLP(nn.Module):
             gu = linear(x, self.gate_up, t, p)
             s = None if side is None else linear(side[0], side[1], t, p)
         w_down = _plain_weight(self.down_proj) if self.decode_fusion else None
-        tile = _gemv_tile(gu, w_down, t)
+        tile = _gemv_tile(gu, w_down, self.glu_tiles)
         if tile is not None:
             return K.gemv(gu, w_down, tile, glu=True), s
         return linear(K.gelu_mul_cat(gu), self.down_proj, t, p), s  # gelu_mul reads the two strided halves
@@ -614,8 +617,8 @@ class Gemma4ForCausalLM(nn.Module):
             self.to(dtype)
         self.rope: RopeTables | None = None
         self.fused = False
-        self._gemv_timed: dict[tuple[int, int, torch.dtype, bool], dict] = {}  # decode_gemv=auto's timings, per
-        # shape and PDL setting
+        self._gemv_timed: dict[tuple[int, int, torch.dtype, bool, bool], dict] = {}  # decode_gemv=auto's timings,
+        # per shape, PDL setting and whether the shape's GLU form was timed too
 
     def set_moe_gather(self, kind: str) -> bool:
         """NVFP4 experts at decode sizes: "gemv" (the gathered W4A16 gemv, GeGLU and combine in torch) or
@@ -673,30 +676,51 @@ class Gemma4ForCausalLM(nn.Module):
         Nothing routes (and nothing is timed) while the fused path is off, nor with auto off CUDA. Call after
         ``set_fused`` and ``set_pdl``: the merged qkv / gate_up shapes are the ones timed, and with PDL on the gemv
         tiles are timed launching with it.
+
+        The dense MLPs' down shapes also get the tile of decode_fusion's GLU form (``glu_tiles``): "triton" the
+        default tile, "auto" the fastest GLU tile where one beat [gelu_mul -> the shape's winner] (its row's
+        "glu"), else none, and decode_fusion leaves that shape's two launches as they are.
         Returns {"mode", "shapes": {"NxK": the timing row or the tile}} for the result file."""
         if mode not in ("auto", "cublas", "triton"):
             raise ValueError(f"decode_gemv {mode!r}: allowed values are auto, cublas, triton")
         tiles: dict = {}
+        glu_tiles: dict = {}
         shapes: dict[str, object] = {}
         if self.fused and (mode == "triton" or (mode == "auto" and self.device.type == "cuda")):
             from perfkit.kernels import gemv
 
+            down = self._down_keys()
             for key, ws in self.decode_weights().items():
                 N, K, _ = key
                 if mode == "triton":
                     tiles[key] = gemv.default_tile(N, K)
+                    if key in down:
+                        glu_tiles[key] = tiles[key]
                     shapes[f"{N}x{K}"] = tiles[key].label
                     continue
-                timed = (*key, self.pdl)
+                timed = (*key, self.pdl, key in down)
                 if timed not in self._gemv_timed:
-                    self._gemv_timed[timed] = gemv.time_gemv_choice(ws[: gemv.TIMING_CALLS], pdl=self.pdl)
+                    self._gemv_timed[timed] = gemv.time_gemv_choice(
+                        ws[: gemv.TIMING_CALLS], pdl=self.pdl, glu=key in down
+                    )
                 row = self._gemv_timed[timed]
-                tile = gemv.tile_by_label(row["best"])
-                if tile is not None:
-                    tiles[key] = tile
+                for chosen, label in ((tiles, row["best"]), (glu_tiles, row.get("glu", {}).get("best", "separate"))):
+                    tile = gemv.tile_by_label(label)
+                    if tile is not None:
+                        chosen[key] = tile
                 shapes[f"{N}x{K}"] = row
         self._set_module_flag("gemv_tiles", tiles)
+        self._set_module_flag("glu_tiles", glu_tiles)
         return {"mode": mode, "shapes": shapes}
+
+    def _down_keys(self) -> set[tuple[int, int, torch.dtype]]:
+        """(N, K, dtype) of the merged dense MLPs' plain down weights: the products decode_fusion's GLU form takes."""
+        keys = set()
+        for m in self.modules():
+            w = _plain_weight(m.down_proj) if isinstance(m, Gemma4MLP) and m.merged_weight() is not None else None
+            if w is not None and w.device.type != "meta":
+                keys.add((w.shape[0], w.shape[1], w.dtype))
+        return keys
 
     def set_fused(self, on: bool) -> None:
         """Route norms, GeGLU, q/k-norm + RoPE and MoE through the Triton kernels (True) or PyTorch (False).
