@@ -43,7 +43,7 @@ def _forward(model, ids: torch.Tensor) -> torch.Tensor:
 class _Spy:
     """Counts calls of the shared kernel namespace's launchers (model._kernels() is cached per pdl value)."""
 
-    NAMES = ("gemv", "gemv_pair", "gelu_mul_cat", "moe_routing")
+    NAMES = ("gemv", "gemv_pair", "gemv_pair_routed", "gelu_mul_cat", "moe_routing")
 
     def __init__(self, monkeypatch):
         self.calls: dict[str, int] = dict.fromkeys(self.NAMES, 0)
@@ -64,7 +64,8 @@ class _Spy:
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
 def test_fusions_are_bit_identical_and_launch_less(name, monkeypatch):
     """One token: logits equal bit for bit with decode_fusion off and on; on, every MLP's down gemv takes the
-    gate_up output (no gelu_mul), and every MoE layer pairs its router with the dense gate_up (no router gemv)."""
+    gate_up output (no gelu_mul), and every MoE layer pairs its router with the dense gate_up and routes in that
+    launch (no router gemv, no routing launch)."""
     cfg, model = _model(name)
     ids = torch.tensor([5])
     ref = _forward(model, ids)
@@ -75,12 +76,13 @@ def test_fusions_are_bit_identical_and_launch_less(name, monkeypatch):
     L = cfg.num_hidden_layers
     moe_layers = L if cfg.enable_moe_block else 0
     assert spy.calls["gelu_mul_cat"] == 0 and spy.glu == L
-    assert spy.calls["gemv_pair"] == moe_layers and spy.calls["moe_routing"] == moe_layers
+    assert spy.calls["gemv_pair_routed"] == moe_layers and spy.calls["gemv_pair"] == spy.calls["moe_routing"] == 0
     gemvs_on = spy.calls["gemv"]
     model.set_decode_fusion(False)
     spy.calls = dict.fromkeys(_Spy.NAMES, 0)
     assert torch.equal(_forward(model, ids), ref)
-    assert spy.calls["gelu_mul_cat"] == L and spy.calls["gemv_pair"] == 0
+    assert spy.calls["gelu_mul_cat"] == L and spy.calls["gemv_pair_routed"] == 0
+    assert spy.calls["moe_routing"] == moe_layers
     assert spy.calls["gemv"] == gemvs_on + 2 * moe_layers  # gate_up and the router, apart
 
 
@@ -94,7 +96,8 @@ def test_fallbacks_keep_the_separate_launches(monkeypatch):
     model.set_decode_fusion(True)
     assert torch.equal(_forward(model, ids), ref)
     L = cfg.num_hidden_layers
-    assert spy.calls["gemv_pair"] == 0 and spy.glu == 0 and spy.calls["gelu_mul_cat"] == L
+    assert spy.calls["gemv_pair_routed"] == 0 and spy.glu == 0 and spy.calls["gelu_mul_cat"] == L
+    assert spy.calls["moe_routing"] == L
     model.set_decode_gemv("cublas")
     one = torch.tensor([5])
     model.set_decode_fusion(False)
@@ -102,7 +105,7 @@ def test_fallbacks_keep_the_separate_launches(monkeypatch):
     model.set_decode_fusion(True)
     spy.calls, spy.glu = dict.fromkeys(_Spy.NAMES, 0), 0
     assert torch.equal(_forward(model, one), ref1)
-    assert spy.calls["gemv"] == 0 and spy.calls["gemv_pair"] == 0 and spy.glu == 0
+    assert spy.calls["gemv"] == spy.calls["gemv_pair_routed"] == spy.glu == 0
 
 
 def test_a_down_shape_without_a_glu_tile_keeps_gelu_mul(monkeypatch):
@@ -117,7 +120,7 @@ def test_a_down_shape_without_a_glu_tile_keeps_gelu_mul(monkeypatch):
     spy = _Spy(monkeypatch)
     assert torch.equal(_forward(model, ids), ref)
     L = cfg.num_hidden_layers
-    assert spy.glu == 0 and spy.calls["gelu_mul_cat"] == L and spy.calls["gemv_pair"] == L
+    assert spy.glu == 0 and spy.calls["gelu_mul_cat"] == L and spy.calls["gemv_pair_routed"] == L
 
 
 def test_glu_timing_picks_the_glu_form_only_where_it_beats_the_two_launches(monkeypatch):
@@ -157,8 +160,12 @@ def test_set_decode_fusion_reaches_the_layers():
     assert all(m.decode_fusion for m in flagged)
     twin = copy.deepcopy(model)
     assert twin.layers[0].decode_fusion
+    counters = [layer.route_counter for layer in model.layers]  # one zeroed int32 per MoE layer, distinct
+    assert all(c is not None and c.dtype == torch.int32 and c.item() == 0 for c in counters)
+    assert len({c.data_ptr() for c in counters}) == len(counters)
     model.set_decode_fusion(False)
     assert not any(m.decode_fusion for m in flagged)
+    assert all(layer.route_counter is None for layer in model.layers)
 
 
 def test_toggle_config_and_engine_tokens():
@@ -215,6 +222,43 @@ def test_gpu_gemv_pair_is_two_gemvs():
     for tile in GEMV_TILES:
         a, b = gemv_pair(x, w, x2, w2, tile, pdl=True)
         assert torch.equal(a, gemv(x, w, tile)) and torch.equal(b, gemv(x2, w2, tile))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_gemv_pair_routed_is_pair_then_routing():
+    """The 26B-A4B gate_up with its router and top-8 routing in one launch, every tile, PDL: equal to gemv_pair +
+    moe_routing bit for bit, eagerly and over 50 replays of a CUDA graph of 30 launches on 30 counters (one per
+    MoE layer, as the model has them) with new inputs each replay; every counter back at 0."""
+    from perfkit.kernels.gemv import GEMV_TILES, gemv_pair, gemv_pair_routed
+    from perfkit.kernels.moe import moe_routing
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x, xr = (torch.randn(1, 2816, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+    w = (torch.randn(4224, 2816, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    wr = (torch.randn(128, 2816, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+    scale = torch.rand(128, device="cuda", generator=gen) + 0.5
+    counters = torch.zeros(30, dtype=torch.int32, device="cuda")
+    for tile in GEMV_TILES:
+        out, rw, ridx = gemv_pair_routed(x, w, xr, wr, 8, scale, counters[:1], tile, pdl=True)
+        a, logits = gemv_pair(x, w, xr, wr, tile, pdl=True)
+        ref_w, ref_idx = moe_routing(logits, 8, scale)
+        assert torch.equal(out, a) and torch.equal(rw, ref_w) and torch.equal(ridx, ref_idx)
+    tile = GEMV_TILES[2]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        gemv_pair_routed(x, w, xr, wr, 8, scale, counters[:1], tile, pdl=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [gemv_pair_routed(x, w, xr, wr, 8, scale, counters[i : i + 1], tile, pdl=True) for i in range(30)]
+    for _ in range(50):
+        xr.copy_(torch.randn(1, 2816, device="cuda", generator=gen))
+        graph.replay()
+        ref_w, ref_idx = moe_routing(gemv_pair(x, w, xr, wr, tile)[1], 8, scale)
+        assert all(torch.equal(o[1], ref_w) and torch.equal(o[2], ref_idx) for o in outs)
+    assert counters.eq(0).all()
 
 
 @pytest.mark.gpu

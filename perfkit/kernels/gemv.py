@@ -53,6 +53,7 @@ import triton.language as tl
 
 from perfkit.kernels.gelu_mul import _gelu_tanh_f32, gelu_mul_cat
 from perfkit.kernels.launch import interpreting
+from perfkit.kernels.moe import _route_row
 from perfkit.kernels.pdl import pdl_enter, pdl_launch
 from perfkit.kernels.timing import graph_sequence_us
 from perfkit.kernels.w4a16_gemm import HBM_BYTES_PER_S
@@ -100,6 +101,10 @@ def _gemv_kernel(
     stride_x2m,
     stride_w2n,
     stride_o2m,
+    count_ptr,  # ROUTE: int32 [1], 0 between launches: the first product's programs that have stored their rows
+    escale_ptr,  # ROUTE: [E] per_expert_scale; the routing weights fp32 [M, TOP_K] and expert ids int32 [M, TOP_K]
+    rw_ptr,
+    ridx_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -108,9 +113,14 @@ def _gemv_kernel(
     PRELOAD: tl.constexpr = 1,  # weight tiles in flight before the wait (1 or 2; 2 keeps three tiles live)
     GLU: tl.constexpr = 0,  # x is [M, 2K] (gate | up): the product's input is gelu_tanh(gate) * up in x's dtype
     PAIR: tl.constexpr = 0,  # a second, independent product in the same launch (x2_ptr ...)
+    ROUTE: tl.constexpr = 0,  # PAIR whose first product is a MoE router's [M, E] logits: the last of its programs
+    TOP_K: tl.constexpr = 1,  # to finish routes them (moe._route_row: the moe_routing launch it replaces)
+    BLOCK_TK: tl.constexpr = 1,
+    BLOCK_E: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    router = pid_n < n_blocks1
     if PAIR:
         if pid_n >= n_blocks1:  # this program computes rows of the second product
             pid_n -= n_blocks1
@@ -152,6 +162,24 @@ def _gemv_kernel(
     y = tl.sum(acc, axis=2)  # [BM, BN]
     out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+    if ROUTE:
+        if router:
+            _route_when_last(out_ptr, stride_om, M, N, count_ptr, n_blocks1 * tl.num_programs(1), escale_ptr, rw_ptr,
+                             ridx_ptr, TOP_K, BLOCK_TK, BLOCK_E)  # fmt: skip
+
+
+@triton.jit
+def _route_when_last(logits_ptr, stride_l, M, E, count_ptr, programs, escale_ptr, rw_ptr, ridx_ptr,
+                     TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+    """Called by each of the router's ``programs`` after storing its logits: the one that counts last routes all M
+    rows and puts the count back to 0 for the next launch (a CUDA graph replays the same counter). Ordering: the
+    barrier puts every thread's stores before the release half of the atomic, whose acquire half (in the last
+    program) puts the other programs' stores before its loads, which bypass L1 (".cg")."""
+    tl.debug_barrier()
+    if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == programs - 1:
+        for t in range(M):
+            _route_row(logits_ptr, t, stride_l, escale_ptr, rw_ptr, ridx_ptr, E, TOP_K, BLOCK_TK, BLOCK_E, ".cg")
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @dataclass(frozen=True)
@@ -259,12 +287,43 @@ def gemv_pair(
     return _launch(x, w, None, config, pdl, pair=(x2, w2, out2)), out2
 
 
+def gemv_pair_routed(
+    x: torch.Tensor, w: torch.Tensor, xr: torch.Tensor, wr: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor,
+    counter: torch.Tensor, config: GemvConfig | None = None, pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(x @ w^T, routing weights fp32 [M, top_k], expert ids int32 [M, top_k]) in one launch: ``gemv_pair`` with a
+    MoE router (xr [M, K] @ wr [E, K]^T) as its first product, and the routing (``moe.moe_routing``'s math on the
+    stored logits) done by whichever router program finishes last, so no routing launch follows. Bit-identical to
+    gemv_pair + moe_routing. The router's programs come first on the grid, so they start first and the routing
+    runs while the other product's programs still stream their weight. counter: int32 [1] holding 0, which no
+    concurrent launch uses (the model keeps one per MoE layer); the kernel leaves it at 0 (CUDA-graph replays).
+    Why: the 26B-A4B routing launch is ~3.4 us per MoE layer at batch 1 (docs/h200-runs/2026-12-07/1-profile_26b_c1,
+    101 us per step) for a few hundred ns of work."""
+    K = w.shape[1] if w.dim() == 2 else -1
+    _check_operands(x, w, K)
+    _check_operands(xr, wr, K)
+    E = wr.shape[0]
+    if xr.shape[0] != x.shape[0] or not 1 <= top_k <= E or E < 2:
+        raise ValueError(f"gemv_pair_routed: x {tuple(x.shape)}, xr {tuple(xr.shape)}, {E} experts, top_k {top_k}")
+    if counter.dtype != torch.int32 or counter.numel() != 1 or counter.device != x.device:
+        raise ValueError("gemv_pair_routed: counter must be one int32 on the operands' device")
+    M = x.shape[0]
+    out = torch.empty(M, w.shape[0], dtype=x.dtype, device=x.device)
+    logits = torch.empty(M, E, dtype=xr.dtype, device=x.device)
+    rw = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
+    ridx = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
+    _launch(xr, wr, logits, config, pdl, pair=(x, w, out), route=(top_k, per_expert_scale, counter, rw, ridx))
+    return out, rw, ridx
+
+
 def _launch(
     x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: GemvConfig | None, pdl: bool,
     glu: bool = False, pair: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    route: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """One ``_gemv_kernel`` launch on checked operands (w [N, K]; x [M, K], or [M, 2K] with glu; pair: x2, w2 and
-    the second output, whose row blocks follow the first product's on grid axis 0)."""
+    the second output, whose row blocks follow the first product's on grid axis 0; route, with pair: top_k,
+    per_expert_scale, the counter and the routing outputs, the first product being the router's logits)."""
     M = x.shape[0]
     N, K = w.shape
     cfg = config or default_tile(N, K)
@@ -278,11 +337,14 @@ def _launch(
     x2, w2, out2 = (x, w, out) if pair is None else pair
     n_blocks1 = triton.cdiv(N, bn)
     grid = (n_blocks1 + (0 if pair is None else triton.cdiv(w2.shape[0], bn)), triton.cdiv(M, bm))
+    top_k, escale, count, rw, ridx = (1, out, out, out, out) if route is None else route
     _gemv_kernel[grid](
         x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-        x2, w2, out2, w2.shape[0], n_blocks1, x2.stride(0), w2.stride(0), out2.stride(0),
+        x2, w2, out2, w2.shape[0], n_blocks1, x2.stride(0), w2.stride(0), out2.stride(0), count, escale, rw, ridx,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVICT="evict_first" if cfg.evict_first else "", PRELOAD=cfg.preload,
-        GLU=int(glu), PAIR=int(pair is not None), num_warps=cfg.num_warps, **pdl_launch(pdl),
+        GLU=int(glu), PAIR=int(pair is not None), ROUTE=int(route is not None), TOP_K=top_k,
+        BLOCK_TK=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(N), num_warps=cfg.num_warps,
+        **pdl_launch(pdl),
     )  # fmt: skip
     return out
 

@@ -158,9 +158,18 @@ def _moe_routing_kernel(
     PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
 ):
     pdl_enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
+    _route_row(logits_ptr, tl.program_id(0).to(tl.int64), stride_l, scale_ptr, w_ptr, idx_ptr, E, TOP_K, BLOCK_K,
+               BLOCK_E)  # fmt: skip
+
+
+@triton.jit
+def _route_row(logits_ptr, t, stride_l, scale_ptr, w_ptr, idx_ptr, E, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+               BLOCK_E: tl.constexpr, CACHE: tl.constexpr = ""):  # fmt: skip
+    """Row t of the routing: softmax(fp32) -> iterative top-k -> renormalise -> * per_expert_scale, stored as
+    (w fp32 [., TOP_K], ids int32 [., TOP_K]). Also the tail of gemv's routed pair (perfkit/kernels/gemv.py), which
+    reads the logits other programs wrote with CACHE ".cg" (L2, never a stale L1 line)."""
     e = tl.arange(0, BLOCK_E)
-    z = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
+    z = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=-float("inf"), cache_modifier=CACHE).to(tl.float32)
     p = tl.exp(z - tl.max(z, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(e < E, p, -1.0)

@@ -79,6 +79,7 @@ def _kernel_table(pdl: bool) -> SimpleNamespace:
         gelu_mul=bind(gelu_mul.gelu_mul),
         gelu_mul_cat=bind(gelu_mul.gelu_mul_cat),
         gemv_pair=bind(gemv.gemv_pair),
+        gemv_pair_routed=bind(gemv.gemv_pair_routed),
         qk_norm_rope=bind(qk_norm_rope.qk_norm_rope),
         qkv_norm_rope_split=bind(qk_norm_rope.qkv_norm_rope_split),
         split_qkv=qk_norm_rope.split_qkv,  # views only, no launch
@@ -290,10 +291,14 @@ class Gemma4MLP(nn.Module):
             return self.forward_fused(x)[0]
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
 
-    def forward_fused(self, x: Tensor, side: tuple[Tensor, nn.Module] | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward_fused(
+        self, x: Tensor, side: tuple[Tensor, nn.Module] | None = None, route: tuple[int, Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor | tuple[Tensor, Tensor] | None]:
         """The MLP on the fused path -> (mlp(x) [T, H], side[1](side[0]) or None). side: (x2 [T, H], a linear of
         the same in_features): a product of another input that rides in the gate_up launch when both are
-        one-row gemvs (the 26B-A4B router; see `_paired`), else runs as its own `linear`.
+        one-row gemvs (the 26B-A4B router; see `_paired`), else runs as its own `linear`. route: (top_k,
+        per_expert_scale, counter) when side is a MoE router: where the pair launches, its last router program
+        routes too (`gemv_pair_routed`) and the side result is (weights fp32 [T, k], ids int32 [T, k]).
 
         decode_fusion: the down product takes the gate_up output itself (gemv glu=True: GeGLU on load, no
         gelu_mul launch) when it is one row and `glu_tiles` has a tile for its shape (decode_gemv=auto: where that
@@ -304,7 +309,10 @@ class Gemma4MLP(nn.Module):
             s = None if side is None else linear(side[0], side[1], t, p)
             return linear(K.gelu_mul(g, u), self.down_proj, t, p), s
         paired = self._paired(x, w, side)
-        if paired is not None:
+        if paired is not None and route is not None:
+            gu, rw, ridx = K.gemv_pair_routed(x, w, side[0], paired[0], *route, paired[1])
+            s = (rw, ridx)
+        elif paired is not None:
             gu, s = K.gemv_pair(x, w, side[0], paired[0], paired[1])
         else:  # one GEMM -> [T, 2I]
             gu = linear(x, self.gate_up, t, p)
@@ -490,6 +498,7 @@ class Gemma4DecoderLayer(nn.Module):
     gemv_tiles: GemvTiles = NO_GEMV  # set by Gemma4ForCausalLM.set_decode_gemv
     pdl = False  # set by Gemma4ForCausalLM.set_pdl
     decode_fusion = False  # set by Gemma4ForCausalLM.set_decode_fusion
+    route_counter: Tensor | None = None  # MoE layers with decode_fusion: gemv_pair_routed's int32 [1] counter
 
     def __init__(self, cfg: Gemma4Config, layer: AttnLayer):
         super().__init__()
@@ -562,8 +571,10 @@ class Gemma4DecoderLayer(nn.Module):
         r, ys = K.sandwich(a, h, self.post_attention_layernorm.weight, eps, next_weights=nxt, next_mults=mults)
         x2 = None
         if self.enable_moe_block:  # the router product rides in the dense gate_up's launch where it can
-            m, logits = self.mlp.forward_fused(ys[0], side=(ys[2], self.router.proj))
-            w, idx = K.moe_routing(logits, self.router.top_k, self.router.per_expert_scale)
+            rt = self.router
+            route = None if self.route_counter is None else (rt.top_k, rt.per_expert_scale, self.route_counter)
+            m, s = self.mlp.forward_fused(ys[0], side=(ys[2], rt.proj), route=route)
+            w, idx = s if isinstance(s, tuple) else K.moe_routing(s, rt.top_k, rt.per_expert_scale)
             e = self.experts(ys[1], idx, w)
             x2 = (e, self.post_feedforward_layernorm_1.weight, self.post_feedforward_layernorm_2.weight)
         else:
@@ -647,8 +658,16 @@ class Gemma4ForCausalLM(nn.Module):
     def set_decode_fusion(self, on: bool) -> None:
         """Fewer launches per batch-1 decode layer on the fused path (toggle ``decode_fusion``), each bit-identical to
         the launches it replaces: the down gemv applies GeGLU to the gate_up output as it loads it (no gelu_mul
-        launch), and the 26B-A4B router's product shares the dense gate_up's gemv launch (no router launch)."""
+        launch), and the 26B-A4B router's product shares the dense gate_up's gemv launch (no router launch), whose
+        last router program also routes (no routing launch; each MoE layer gets its own zeroed int32 counter,
+        allocated here on the model's device: call after the model is placed)."""
         self._set_module_flag("decode_fusion", bool(on))
+        moe = [layer for layer in self.layers if layer.enable_moe_block]
+        counters = None
+        if on and moe and self.device.type != "meta":
+            counters = torch.zeros(len(moe), dtype=torch.int32, device=self.device)
+        for i, layer in enumerate(moe):
+            layer.route_counter = None if counters is None else counters[i : i + 1]
 
     def _set_module_flag(self, name: str, value: bool | None) -> bool:
         """``name = value`` on every submodule whose class declares ``name``; whether any does."""

@@ -20,7 +20,7 @@ SHAPES = {k: gv.SWEEP_SHAPES[k] for k in ("31b/gate_up", "31b/down", "31b/qkv_sl
                                            "31b/lm_head", "26b-a4b/gate_up", "26b-a4b/qkv_sliding")}  # fmt: skip
 CALLS, REPLAYS = 20, 15
 
-for name, (N, K) in SHAPES.items():
+def probe(name: str, N: int, K: int) -> None:
     copies = max(2, min(CALLS, -(-1_000_000_000 // (2 * N * K))))
     ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     a = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
@@ -42,5 +42,8 @@ for name, (N, K) in SHAPES.items():
     row = {"shape": name, "cand": "rmsnorm_only"}
     row["chain_us"] = round(graph_sequence_us(lambda w: rn.rmsnorm(a, nw, 1e-6, pdl=True), ws, CALLS, REPLAYS), 2)
     print(json.dumps(row), flush=True)
-    del ws
+
+
+for name, (N, K) in SHAPES.items():
+    probe(name, N, K)
     torch.cuda.empty_cache()
