@@ -115,9 +115,11 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         ("on", "off"),
         "on",
         "batch-1 decode on the fused path in fewer launches per layer, each bit-identical to what it replaces (on): "
-        "the down gemv applies GeGLU as it loads the gate_up output (no gelu_mul kernel), and the 26B-A4B router's "
-        "product shares the dense gate_up's gemv launch; vs one launch each (off); the tokens are identical; no "
-        "effect with fused_kernels off, above one decode row, or on shapes decode_gemv leaves to cuBLAS",
+        "the down gemv applies GeGLU as it loads the gate_up output (no gelu_mul kernel; decode_gemv=auto keeps it "
+        "to the down shapes where it timed faster), and the 26B-A4B router's product shares the dense gate_up's gemv "
+        "launch, whose last router program also routes (no routing kernel); vs one launch each (off); the tokens "
+        "are identical; no effect with fused_kernels off, above one decode row, or on shapes decode_gemv leaves to "
+        "cuBLAS",
     ),
     "attention": (
         ("auto", "flashinfer", "torch"),

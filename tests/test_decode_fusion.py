@@ -263,6 +263,59 @@ def test_gpu_gemv_pair_routed_is_pair_then_routing():
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_routed_pair_then_early_gather_in_a_graph():
+    """The 26B-A4B batch-1 MoE chain as the model runs it with decode_fusion and PDL: an rmsnorm writes the inputs,
+    gemv_pair_routed (gate_up + router + routing), the GLU down gemv, then the experts with early_inputs (their
+    gate_up kernel reads the routing and x before its wait). 40 replays of one graph holding 30 such layers (each
+    with its own counter and experts' input), new inputs each time: the experts' outputs equal the plain chain's."""
+    from perfkit.kernels.gemv import GEMV_TILES, gemv, gemv_pair_routed
+    from perfkit.kernels.moe import fused_moe, moe_routing
+    from perfkit.kernels.rmsnorm import rmsnorm
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    H, inter, E, Im = 2816, 2112, 128, 704
+
+    def rnd(*shape, s=0.02):
+        return (torch.randn(*shape, device="cuda", generator=gen) * s).to(torch.bfloat16)
+
+    w_gu, w_dn, w_r = rnd(2 * inter, H), rnd(H, inter), rnd(E, H, s=0.05)
+    e_gu, e_dn = rnd(E, 2 * Im, H), rnd(E, H, Im)
+    scale, nw = torch.rand(E, device="cuda", generator=gen) + 0.5, rnd(H, s=1.0)
+    a = rnd(30, H, s=1.0)
+    counters = torch.zeros(30, dtype=torch.int32, device="cuda")
+    tile = GEMV_TILES[2]
+
+    def layer(i, early):
+        x = rmsnorm(a[i : i + 1], nw, 1e-6, pdl=True)
+        xe = rmsnorm(a[i : i + 1] * 0.5, nw, 1e-6, pdl=True)
+        gu, rw, ridx = gemv_pair_routed(x, w_gu, x, w_r, 8, scale, counters[i : i + 1], tile, pdl=True)
+        m = gemv(gu, w_dn, tile, glu=True, pdl=True)
+        return m, fused_moe(xe, e_gu, e_dn, rw, ridx, path="gather", pdl=True, early_inputs=early)
+
+    def reference(i):
+        x = rmsnorm(a[i : i + 1], nw, 1e-6)
+        xe = rmsnorm(a[i : i + 1] * 0.5, nw, 1e-6)
+        rw, ridx = moe_routing(gemv(x, w_r, tile), 8, scale)
+        return fused_moe(xe, e_gu, e_dn, rw, ridx, path="gather")
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(0, True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [layer(i, True)[1] for i in range(30)]
+    for _ in range(40):
+        a.copy_(rnd(30, H, s=1.0))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(outs[i], reference(i)) for i in range(30))
+    assert counters.eq(0).all()
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("preset", ["31b", "26b-a4b"])
 def test_gpu_engine_tokens_identical_with_decode_fusion(preset):
     """Real widths with 2 layers, FlashInfer + CUDA graphs + the fused path, decode_gemv=triton, the Triton decode

@@ -456,9 +456,11 @@ class Gemma4Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * Im, H))  # rows [0, Im) gate, [Im, 2Im) up
         self.down_proj = nn.Parameter(torch.empty(E, H, Im))
 
-    def forward(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:  # x [T, H], idx/w [T, K] -> [T, H]
+    def forward(self, x: Tensor, idx: Tensor, w: Tensor, early_inputs: bool = False) -> Tensor:
+        """x [T, H], idx / w [T, K] -> [T, H]. early_inputs (fused path): x, idx and w were written two or more
+        launches back (`fused_moe`'s early_inputs: the expert weights stream before the PDL wait)."""
         if self.fused:  # grouped Triton GEMMs, any T, no host sync
-            return _kernels(self.pdl).fused_moe(x, self.gate_up_proj, self.down_proj, w, idx)
+            return _kernels(self.pdl).fused_moe(x, self.gate_up_proj, self.down_proj, w, idx, early_inputs=early_inputs)
         if idx.numel() <= self.gather_max_rows:
             return self.forward_gather(x, idx, w)
         return self.forward_sorted(x, idx, w)
@@ -574,8 +576,9 @@ class Gemma4DecoderLayer(nn.Module):
             rt = self.router
             route = None if self.route_counter is None else (rt.top_k, rt.per_expert_scale, self.route_counter)
             m, s = self.mlp.forward_fused(ys[0], side=(ys[2], rt.proj), route=route)
-            w, idx = s if isinstance(s, tuple) else K.moe_routing(s, rt.top_k, rt.per_expert_scale)
-            e = self.experts(ys[1], idx, w)
+            routed = isinstance(s, tuple)  # routed in the pair's launch, the dense down's launch(es) since
+            w, idx = s if routed else K.moe_routing(s, rt.top_k, rt.per_expert_scale)
+            e = self.experts(ys[1], idx, w, early_inputs=routed)
             x2 = (e, self.post_feedforward_layernorm_1.weight, self.post_feedforward_layernorm_2.weight)
         else:
             m = self.mlp(ys[0])
