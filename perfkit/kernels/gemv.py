@@ -55,12 +55,14 @@ from perfkit.kernels.gelu_mul import _gelu_tanh_f32, gelu_mul_cat
 from perfkit.kernels.launch import interpreting
 from perfkit.kernels.moe import _route_row
 from perfkit.kernels.pdl import pdl_enter, pdl_launch
+from perfkit.kernels.rmsnorm import rmsnorm
 from perfkit.kernels.timing import graph_sequence_us
 from perfkit.kernels.w4a16_gemm import HBM_BYTES_PER_S
 
 MAX_BLOCK_M = 4  # the most rows of x one program takes (more rows: the weight is streamed once per 4 rows)
 TIMING_CALLS = 20  # calls per timed CUDA graph: enough distinct weights in a row that L2 holds none of them
 TIMING_REPLAYS = 15
+TIMING_AFTER_NORM = True  # time_gemv_choice with pdl: each call after an rmsnorm (False: a plain chain, to 12-08)
 
 
 @triton.jit
@@ -381,8 +383,12 @@ def time_gemv_choice(
     """Time cuBLAS (``x @ w^T``) and each tile at M = 1 on CUDA ``weights`` (one [N, K] shape and dtype, e.g. the
     same projection of every layer): {"cublas_us", "tiles": {label: us}, "best": label or "cublas", "best_us"}.
     The winner must beat cuBLAS outright; a tile that fails to compile is recorded as its error string. pdl: the
-    tiles launch with PDL, as the engine will run them (a chain of them then overlaps each call's start with the
-    previous one's end; cuBLAS never does).
+    tiles launch with PDL, as the engine will run them, and every candidate is timed after a short PDL kernel (an
+    rmsnorm making its input row), as in the step, where each product follows a norm, a sandwich or the attention
+    merge: a gemv's first weight tiles then load while that kernel runs, cuBLAS's cannot. In a plain chain of
+    products cuBLAS looked 1-2 us per call faster than it is there (12-08 call 3,
+    ``docs/h200-runs/2026-12-08/3-context_probe.jsonl``: 31B down 5376 x 21504, cuBLAS 57.14 vs 58.36 for the
+    16 x 512 tile in a chain, 59.64 vs 57.97 after an rmsnorm). The row's "after" names the kernel before each call.
 
     glu (the MLP's down shapes): also {"glu": {"separate_us", "tiles", "best": label or "separate", "best_us"}},
     each tile's GLU form (GeGLU on load, one launch) against [gelu_mul_cat -> this shape's winner]. Which wins
@@ -395,25 +401,34 @@ def time_gemv_choice(
     N, K = w0.shape
     gen = torch.Generator(device=w0.device).manual_seed(0)
     x = (torch.randn(1, 2 * K if glu else K, device=w0.device, generator=gen) * 0.5).to(w0.dtype)
+    norm_w = torch.ones(x.shape[1], dtype=w0.dtype, device=w0.device)
     out = torch.empty(1, N, dtype=w0.dtype, device=w0.device)
     row: dict = {"N": N, "K": K, "dtype": str(w0.dtype).removeprefix("torch."), "weights": len(weights), "pdl": pdl,
+                 "after": "rmsnorm" if pdl and TIMING_AFTER_NORM else "previous call",
                  "bound_us": round(gemv_traffic(1, N, K, w0.element_size())["bound_us"], 2)}  # fmt: skip
-    x1 = x[:, :K]
-    row["cublas_us"] = round(graph_sequence_us(lambda w: torch.mm(x1, w.t(), out=out), weights, calls, replays), 2)
-    row["tiles"], row["best"], row["best_us"] = _time_tiles(
-        lambda w, c: gemv(x1, w, c, out=out, pdl=pdl), weights, tiles, calls, replays, ("cublas", row["cublas_us"])
+
+    def row_in() -> torch.Tensor:  # [1, K] (glu: [1, 2K]) the next candidate multiplies
+        return rmsnorm(x, norm_w, 1e-6, pdl=True) if pdl and TIMING_AFTER_NORM else x
+
+    row["cublas_us"] = round(
+        graph_sequence_us(lambda w: torch.mm(row_in()[:, :K], w.t(), out=out), weights, calls, replays), 2
     )
+    row["tiles"], row["best"], row["best_us"] = _time_tiles(
+        lambda w, c: gemv(row_in()[:, :K], w, c, out=out, pdl=pdl), weights, tiles, calls, replays,
+        ("cublas", row["cublas_us"]),
+    )  # fmt: skip
     if glu:
         plain = tile_by_label(row["best"])
 
         def separate(w: torch.Tensor) -> None:
-            h = gelu_mul_cat(x, pdl=pdl)  # [1, K]
+            h = gelu_mul_cat(row_in(), pdl=pdl)  # [1, K]
             torch.mm(h, w.t(), out=out) if plain is None else gemv(h, w, plain, out=out, pdl=pdl)
 
         sep_us = round(graph_sequence_us(separate, weights, calls, replays), 2)
         timed = _time_tiles(
-            lambda w, c: gemv(x, w, c, out=out, pdl=pdl, glu=True), weights, tiles, calls, replays, ("separate", sep_us)
-        )
+            lambda w, c: gemv(row_in(), w, c, out=out, pdl=pdl, glu=True), weights, tiles, calls, replays,
+            ("separate", sep_us),
+        )  # fmt: skip
         row["glu"] = {"separate_us": sep_us, **dict(zip(("tiles", "best", "best_us"), timed, strict=True))}
     return row
 
