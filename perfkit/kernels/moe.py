@@ -159,12 +159,13 @@ def _moe_routing_kernel(
 ):
     pdl_enter(PDL)
     _route_row(logits_ptr, tl.program_id(0).to(tl.int64), stride_l, scale_ptr, w_ptr, idx_ptr, E, TOP_K, BLOCK_K,
-               BLOCK_E)  # fmt: skip
+               BLOCK_E, "")  # fmt: skip
 
 
 @triton.jit
 def _route_row(logits_ptr, t, stride_l, scale_ptr, w_ptr, idx_ptr, E, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
-               BLOCK_E: tl.constexpr, CACHE: tl.constexpr = ""):  # fmt: skip
+               BLOCK_E: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
+    # CACHE has no default: triton 3.6 (the H200's) fails to compile a jit helper's defaulted str constexpr
     """Row t of the routing: softmax(fp32) -> iterative top-k -> renormalise -> * per_expert_scale, stored as
     (w fp32 [., TOP_K], ids int32 [., TOP_K]). Also the tail of gemv's routed pair (perfkit/kernels/gemv.py), which
     reads the logits other programs wrote with CACHE ".cg" (L2, never a stale L1 line)."""
