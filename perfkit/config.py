@@ -117,9 +117,16 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "batch-1 decode on the fused path in fewer launches per layer, each bit-identical to what it replaces (on): "
         "the down gemv applies GeGLU as it loads the gate_up output (no gelu_mul kernel; decode_gemv=auto keeps it "
         "to the down shapes where it timed faster), and the 26B-A4B router's product shares the dense gate_up's gemv "
-        "launch, whose last router program also routes (no routing kernel); vs one launch each (off); the tokens "
-        "are identical; no effect with fused_kernels off, above one decode row, or on shapes decode_gemv leaves to "
-        "cuBLAS",
+        "launch; vs one launch each (off); the tokens are identical; no effect with fused_kernels off, above one "
+        "decode row, or on shapes decode_gemv leaves to cuBLAS",
+    ),
+    "decode_routing": (
+        ("separate", "fused"),
+        "separate",
+        "MoE layers at batch 1 with decode_fusion on: the routing (softmax, top-k) as its own kernel (separate), or "
+        "done by the last router program of the router + gate_up gemv launch, after which the experts' gate_up "
+        "kernel streams its weights before its PDL wait (fused); the routing weights agree to fp32 rounding (the "
+        "softmax sums in another order), the expert ids and tokens matched in every test; no effect on dense models",
     ),
     "attention": (
         ("auto", "flashinfer", "torch"),
@@ -161,6 +168,7 @@ class Toggles(BaseModel):
     decode_gemv: Literal["auto", "cublas", "triton"] = "auto"
     pdl: Literal["auto", "on", "off"] = "auto"
     decode_fusion: Literal["on", "off"] = "on"
+    decode_routing: Literal["separate", "fused"] = "separate"
     attention: Literal["auto", "flashinfer", "torch"] = "auto"
 
     @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", "pdl", "decode_fusion",
@@ -188,6 +196,7 @@ class PartialToggles(BaseModel):
     decode_gemv: Literal["auto", "cublas", "triton"] | None = None
     pdl: Literal["auto", "on", "off"] | None = None
     decode_fusion: Literal["on", "off"] | None = None
+    decode_routing: Literal["separate", "fused"] | None = None
     attention: Literal["auto", "flashinfer", "torch"] | None = None
 
     @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", "pdl", "decode_fusion",

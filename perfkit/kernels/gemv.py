@@ -295,12 +295,15 @@ def gemv_pair_routed(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(x @ w^T, routing weights fp32 [M, top_k], expert ids int32 [M, top_k]) in one launch: ``gemv_pair`` with a
     MoE router (xr [M, K] @ wr [E, K]^T) as its first product, and the routing (``moe.moe_routing``'s math on the
-    stored logits) done by whichever router program finishes last, so no routing launch follows. Bit-identical to
-    gemv_pair + moe_routing. The router's programs come first on the grid, so they start first and the routing
+    stored logits) done by whichever router program finishes last, so no routing launch follows. The products equal
+    gemv_pair's bit for bit; the routing weights equal moe_routing's to fp32 rounding (on the GPU the softmax's
+    sums follow this launch's warp layout, 12-08 call 5; bit for bit under the interpreter), the expert ids matched
+    in every test. The router's programs come first on the grid, so they start first and the routing
     runs while the other product's programs still stream their weight. counter: int32 [1] holding 0, which no
     concurrent launch uses (the model keeps one per MoE layer); the kernel leaves it at 0 (CUDA-graph replays).
     Why: the 26B-A4B routing launch is ~3.4 us per MoE layer at batch 1 (docs/h200-runs/2026-12-07/1-profile_26b_c1,
-    101 us per step) for a few hundred ns of work."""
+    101 us per step) for a few hundred ns of work. Its gain in the engine is not isolated yet (toggle
+    decode_routing, off by default; configs/ab_decode_fusion.yaml's "routed" arm)."""
     K = w.shape[1] if w.dim() == 2 else -1
     _check_operands(x, w, K)
     _check_operands(xr, wr, K)

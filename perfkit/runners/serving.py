@@ -368,6 +368,7 @@ def load_target(
         decode_gemv=toggles.decode_gemv,
         pdl=toggles.pdl == "on",
         decode_fusion=toggles.decode_fusion == "on",
+        decode_routing=toggles.decode_routing == "fused",
         decode_use_tensor_cores=None if rt.decode_tensor_cores == "auto" else rt.decode_tensor_cores == "on",
         seed=mcfg.seed,
     )

@@ -17,7 +17,8 @@ Toggles (settable on a live engine with `set_toggle`; both arms of every toggle 
   rounding-level)   pdl=on|off (the fused path's and the Triton decode's kernels launch with programmatic
   dependent launch, sm_90+; the same kernels and arithmetic, so bit for bit)   decode_fusion=on|off (fewer
   launches per batch-1 decode layer: GeGLU inside the down gemv, the MoE router beside the dense gate_up in one
-  gemv launch; bit for bit)
+  gemv launch; bit for bit)   decode_routing=separate|fused (with decode_fusion: the MoE routing in the router's
+  launch and the experts' gate_up weights streamed before its PDL wait; the routing weights to fp32 rounding)
 Three toggles change the arithmetic's order, so their arms agree to rounding rather than bit for bit:
   fused_kernels=on|off   moe_gather=gemv|kernels (NVFP4 experts at decode sizes; no effect on other models)
   moe_prefill=auto|quantized|dequant (NVFP4 / FP8 experts at prefill sizes; no effect on other models)
@@ -58,6 +59,7 @@ TOGGLES = {
     "decode_gemv": ("auto", "cublas", "triton"),
     "pdl": ("on", "off"),
     "decode_fusion": ("on", "off"),
+    "decode_routing": ("separate", "fused"),
 }
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}  # fmt: skip
@@ -90,6 +92,7 @@ class EngineConfig:
     decode_gemv: str = "cublas"  # auto | cublas | triton: one-row linears (Gemma4ForCausalLM.set_decode_gemv)
     pdl: bool = False  # Triton kernels launch with programmatic dependent launch (perfkit/kernels/pdl.py; sm_90+)
     decode_fusion: bool = False  # fewer launches per batch-1 decode layer (Gemma4ForCausalLM.set_decode_fusion)
+    decode_routing: bool = False  # with decode_fusion: MoE routing in the router's gemv launch (set_decode_fusion)
     workspace_bytes: int = 256 << 20  # flashinfer float workspace, shared by every wrapper
     seed: int = 0  # sampling generators
 
@@ -168,7 +171,7 @@ class Engine:
         self._check_pdl(ec.pdl)
         model.set_fused(ec.fused_kernels)
         model.set_pdl(ec.pdl)
-        model.set_decode_fusion(ec.decode_fusion)
+        model.set_decode_fusion(ec.decode_fusion, routed=ec.decode_routing)
         self._gemv = model.set_decode_gemv(ec.decode_gemv)  # after set_fused (the merged shapes) and set_pdl
         model.set_moe_gather(ec.moe_gather)
         model.set_moe_prefill(ec.moe_prefill)
@@ -361,9 +364,14 @@ class Engine:
             self._gemv = self.model.set_decode_gemv(self.ec.decode_gemv)  # decode_gemv=auto timed with / without
             self._graphs = None  # the captured graphs launch without / with it: capture again
             self._sync_graphs()
-        elif name == "decode_fusion" and on != self.ec.decode_fusion:
-            self.ec = replace(self.ec, decode_fusion=on)
-            self.model.set_decode_fusion(on)
+        elif (name == "decode_fusion" and on != self.ec.decode_fusion) or (
+            name == "decode_routing" and (value == "fused") != self.ec.decode_routing
+        ):
+            if name == "decode_fusion":
+                self.ec = replace(self.ec, decode_fusion=on)
+            else:
+                self.ec = replace(self.ec, decode_routing=value == "fused")
+            self.model.set_decode_fusion(self.ec.decode_fusion, routed=self.ec.decode_routing)
             self._graphs = None  # the captured graphs launch the other kernels: capture again
             self._sync_graphs()
         elif name == "moe_prefill" and value != self.ec.moe_prefill:  # prefill runs eagerly: no graph to redo
@@ -380,6 +388,7 @@ class Engine:
             "moe_gather": ec.moe_gather, "moe_prefill": ec.moe_prefill, "decode_attention": ec.decode_attention,
             "decode_gemv": ec.decode_gemv, "pdl": "on" if ec.pdl else "off",
             "decode_fusion": "on" if ec.decode_fusion else "off",
+            "decode_routing": "fused" if ec.decode_routing else "separate",
         }  # fmt: skip
 
     # ---- requests --------------------------------------------------------------------------------------------

@@ -658,16 +658,18 @@ class Gemma4ForCausalLM(nn.Module):
         ``set_decode_gemv``: its timings depend on it."""
         self._set_module_flag("pdl", bool(on))
 
-    def set_decode_fusion(self, on: bool) -> None:
+    def set_decode_fusion(self, on: bool, routed: bool = False) -> None:
         """Fewer launches per batch-1 decode layer on the fused path (toggle ``decode_fusion``), each bit-identical to
         the launches it replaces: the down gemv applies GeGLU to the gate_up output as it loads it (no gelu_mul
-        launch), and the 26B-A4B router's product shares the dense gate_up's gemv launch (no router launch), whose
-        last router program also routes (no routing launch; each MoE layer gets its own zeroed int32 counter,
-        allocated here on the model's device: call after the model is placed)."""
+        launch), and the 26B-A4B router's product shares the dense gate_up's gemv launch (no router launch).
+        routed (toggle ``decode_routing``, with on): that launch's last router program also routes (no routing
+        launch; the weights to fp32 rounding on the GPU) and the experts' gate_up kernel reads the routing before
+        its PDL wait. Each MoE layer then gets its own zeroed int32 counter, allocated here on the model's device:
+        call after the model is placed."""
         self._set_module_flag("decode_fusion", bool(on))
         moe = [layer for layer in self.layers if layer.enable_moe_block]
         counters = None
-        if on and moe and self.device.type != "meta":
+        if on and routed and moe and self.device.type != "meta":
             counters = torch.zeros(len(moe), dtype=torch.int32, device=self.device)
         for i, layer in enumerate(moe):
             layer.route_counter = None if counters is None else counters[i : i + 1]
