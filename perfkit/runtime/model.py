@@ -500,7 +500,7 @@ class Gemma4DecoderLayer(nn.Module):
     gemv_tiles: GemvTiles = NO_GEMV  # set by Gemma4ForCausalLM.set_decode_gemv
     pdl = False  # set by Gemma4ForCausalLM.set_pdl
     decode_fusion = False  # set by Gemma4ForCausalLM.set_decode_fusion
-    route_counter: Tensor | None = None  # MoE layers with decode_fusion: gemv_pair_routed's int32 [1] counter
+    route_counter: Tensor | None = None  # MoE layers, decode_routing fused: gemv_pair_routed's int32 [1] counter
 
     def __init__(self, cfg: Gemma4Config, layer: AttnLayer):
         super().__init__()
@@ -576,7 +576,8 @@ class Gemma4DecoderLayer(nn.Module):
             rt = self.router
             route = None if self.route_counter is None else (rt.top_k, rt.per_expert_scale, self.route_counter)
             m, s = self.mlp.forward_fused(ys[0], side=(ys[2], rt.proj), route=route)
-            routed = isinstance(s, tuple)  # routed in the pair's launch, the dense down's launch(es) since
+            routed = isinstance(s, tuple)  # routed inside the pair launch, and the dense down launched since: the
+            # routing is two launches old when the experts start (their early_inputs)
             w, idx = s if routed else K.moe_routing(s, rt.top_k, rt.per_expert_scale)
             e = self.experts(ys[1], idx, w, early_inputs=routed)
             x2 = (e, self.post_feedforward_layernorm_1.weight, self.post_feedforward_layernorm_2.weight)
