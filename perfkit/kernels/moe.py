@@ -165,10 +165,10 @@ def _moe_routing_kernel(
 @triton.jit
 def _route_row(logits_ptr, t, stride_l, scale_ptr, w_ptr, idx_ptr, E, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_E: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
-    # CACHE has no default: triton 3.6 (the H200's) fails to compile a jit helper's defaulted str constexpr
     """Row t of the routing: softmax(fp32) -> iterative top-k -> renormalise -> * per_expert_scale, stored as
     (w fp32 [., TOP_K], ids int32 [., TOP_K]). Also the tail of gemv's routed pair (perfkit/kernels/gemv.py), which
-    reads the logits other programs wrote with CACHE ".cg" (L2, never a stale L1 line)."""
+    reads the logits other programs wrote with CACHE ".cg" (L2, never a stale L1 line). CACHE has no default:
+    triton 3.6 (the H200's) does not compile a jit helper's defaulted str constexpr."""
     e = tl.arange(0, BLOCK_E)
     z = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=-float("inf"), cache_modifier=CACHE).to(tl.float32)
     p = tl.exp(z - tl.max(z, axis=0))
