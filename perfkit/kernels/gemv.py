@@ -348,8 +348,8 @@ def _launch(
         x2, w2, out2, w2.shape[0], n_blocks1, x2.stride(0), w2.stride(0), out2.stride(0), count, escale, rw, ridx,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVICT="evict_first" if cfg.evict_first else "", PRELOAD=cfg.preload,
         GLU=int(glu), PAIR=int(pair is not None), ROUTE=int(route is not None), TOP_K=top_k,
-        BLOCK_TK=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(N), num_warps=cfg.num_warps,
-        **pdl_launch(pdl),
+        BLOCK_TK=triton.next_power_of_2(top_k), BLOCK_E=1 if route is None else triton.next_power_of_2(N),
+        num_warps=cfg.num_warps, **pdl_launch(pdl),
     )  # fmt: skip
     return out
 
