@@ -181,18 +181,11 @@ def test_gemv_variants_compile_for_sm90():
     interpreter accepts code the compiler refuses (12-06: a variable whose type changed inside an ``if``), and
     PAIR reassigns the pointer arguments inside one. The routed pair's PTX has its acq_rel atomic and L2-only loads."""
     import json
-    import os
-    import subprocess
-    import sys
+
+    from aot import sm90_rows
 
     variants = [(0, 0, 1, 0), (1, 0, 1, 0), (0, 1, 1, 0), (1, 0, 2, 0), (0, 1, 2, 0), (0, 1, 1, 1)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE, json.dumps(variants)], env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    if any(isinstance(r, str) and "ptxas" in r.lower() for r in rows):
-        pytest.skip(f"this Triton build cannot assemble for sm_90: {rows}")
+    rows = sm90_rows(_SM90_COMPILE, json.dumps(variants))
     assert rows == [True] * len(variants), rows
 
 
