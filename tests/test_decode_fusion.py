@@ -43,7 +43,7 @@ def _forward(model, ids: torch.Tensor) -> torch.Tensor:
 class _Spy:
     """Counts calls of the shared kernel namespace's launchers (model._kernels() is cached per pdl value)."""
 
-    NAMES = ("gemv", "gemv_pair", "gemv_pair_routed", "gelu_mul_cat", "moe_routing")
+    NAMES = ("gemv", "gemv_pair", "gemv_routed", "gelu_mul_cat", "moe_routing")
 
     def __init__(self, monkeypatch):
         self.calls: dict[str, int] = dict.fromkeys(self.NAMES, 0)
@@ -66,7 +66,7 @@ def test_fusions_are_bit_identical_and_launch_less(name, routed, monkeypatch):
     """One token: logits equal bit for bit with decode_fusion off and on (under the interpreter the routing's
     sums come out the same in either launch); on, every MLP's down gemv takes the gate_up output (no gelu_mul),
     and every MoE layer pairs its router with the dense gate_up (no router gemv) and, routed (decode_routing
-    fused), routes in that launch (no routing launch)."""
+    fused), routes in the down gemv's launch (no routing launch)."""
     cfg, model = _model(name)
     ids = torch.tensor([5])
     ref = _forward(model, ids)
@@ -76,14 +76,14 @@ def test_fusions_are_bit_identical_and_launch_less(name, routed, monkeypatch):
     assert torch.equal(out, ref)
     L = cfg.num_hidden_layers
     moe_layers = L if cfg.enable_moe_block else 0
-    assert spy.calls["gelu_mul_cat"] == 0 and spy.glu == L
-    paired = spy.calls["gemv_pair_routed"] if routed else spy.calls["gemv_pair"]
-    assert paired == moe_layers and spy.calls["moe_routing"] == (0 if routed else moe_layers)
-    gemvs_on = spy.calls["gemv"]
+    assert spy.calls["gelu_mul_cat"] == 0 and spy.glu == L and spy.calls["gemv_pair"] == moe_layers
+    assert spy.calls["gemv_routed"] == (moe_layers if routed else 0)
+    assert spy.calls["moe_routing"] == (0 if routed else moe_layers)
+    gemvs_on = spy.calls["gemv"] + spy.calls["gemv_routed"]
     model.set_decode_fusion(False)
     spy.calls = dict.fromkeys(_Spy.NAMES, 0)
     assert torch.equal(_forward(model, ids), ref)
-    assert spy.calls["gelu_mul_cat"] == L and spy.calls["gemv_pair_routed"] == 0
+    assert spy.calls["gelu_mul_cat"] == L and spy.calls["gemv_routed"] == 0
     assert spy.calls["moe_routing"] == moe_layers
     assert spy.calls["gemv"] == gemvs_on + 2 * moe_layers  # gate_up and the router, apart
 
@@ -95,24 +95,25 @@ def test_fallbacks_keep_the_separate_launches(monkeypatch):
     ids = torch.tensor([5, 9])
     ref = _forward(model, ids)
     spy = _Spy(monkeypatch)
-    model.set_decode_fusion(True)
+    model.set_decode_fusion(True, routed=True)
     assert torch.equal(_forward(model, ids), ref)
     L = cfg.num_hidden_layers
-    assert spy.calls["gemv_pair_routed"] == 0 and spy.glu == 0 and spy.calls["gelu_mul_cat"] == L
+    assert spy.calls["gemv_routed"] == 0 and spy.glu == 0 and spy.calls["gelu_mul_cat"] == L
     assert spy.calls["moe_routing"] == L
     model.set_decode_gemv("cublas")
     one = torch.tensor([5])
     model.set_decode_fusion(False)
     ref1 = _forward(model, one)
-    model.set_decode_fusion(True)
+    model.set_decode_fusion(True, routed=True)
     spy.calls, spy.glu = dict.fromkeys(_Spy.NAMES, 0), 0
     assert torch.equal(_forward(model, one), ref1)
-    assert spy.calls["gemv"] == spy.calls["gemv_pair_routed"] == spy.glu == 0
+    assert spy.calls["gemv"] == spy.calls["gemv_routed"] == spy.glu == 0 and spy.calls["moe_routing"] == L
 
 
 def test_a_down_shape_without_a_glu_tile_keeps_gelu_mul(monkeypatch):
     """decode_gemv=auto leaves a down shape out of ``glu_tiles`` where the GLU form timed slower (31B's down, 12-08):
-    decode_fusion then runs gelu_mul and the plain down gemv there, and the router still pairs."""
+    decode_fusion then runs gelu_mul and the plain down gemv there, the router still pairs, and decode_routing
+    fused falls back to the routing launch (it rides only in the GLU gemv's launch)."""
     cfg, model = _model("tiny-moe")
     ids = torch.tensor([5])
     ref = _forward(model, ids)
@@ -122,7 +123,8 @@ def test_a_down_shape_without_a_glu_tile_keeps_gelu_mul(monkeypatch):
     spy = _Spy(monkeypatch)
     assert torch.equal(_forward(model, ids), ref)
     L = cfg.num_hidden_layers
-    assert spy.glu == 0 and spy.calls["gelu_mul_cat"] == L and spy.calls["gemv_pair_routed"] == L
+    assert spy.glu == 0 and spy.calls["gelu_mul_cat"] == L and spy.calls["gemv_pair"] == L
+    assert spy.calls["gemv_routed"] == 0 and spy.calls["moe_routing"] == L
 
 
 def test_glu_timing_picks_the_glu_form_only_where_it_beats_the_two_launches(monkeypatch):
@@ -162,14 +164,12 @@ def test_set_decode_fusion_reaches_the_layers():
     assert all(m.decode_fusion for m in flagged)
     twin = copy.deepcopy(model)
     assert twin.layers[0].decode_fusion
-    assert all(layer.route_counter is None for layer in model.layers)  # decode_routing separate: no counters
+    assert not any(layer.decode_routing for layer in model.layers)  # decode_routing separate
     model.set_decode_fusion(True, routed=True)
-    counters = [layer.route_counter for layer in model.layers]  # one zeroed int32 per MoE layer, distinct
-    assert all(c is not None and c.dtype == torch.int32 and c.item() == 0 for c in counters)
-    assert len({c.data_ptr() for c in counters}) == len(counters)
-    model.set_decode_fusion(False)
+    assert all(layer.decode_routing for layer in model.layers)
+    model.set_decode_fusion(False, routed=True)  # routing rides only with the fusion
     assert not any(m.decode_fusion for m in flagged)
-    assert all(layer.route_counter is None for layer in model.layers)
+    assert not any(layer.decode_routing for layer in model.layers)
 
 
 def test_toggle_config_and_engine_tokens():
@@ -197,10 +197,10 @@ def test_toggle_config_and_engine_tokens():
     assert live.toggles()["decode_fusion"] == "on" and model.layers[0].decode_fusion
     assert off == on == run(live)
     live.set_toggle("decode_routing", "fused")
-    assert live.toggles()["decode_routing"] == "fused" and model.layers[0].route_counter is not None
+    assert live.toggles()["decode_routing"] == "fused" and model.layers[0].decode_routing
     assert run(live) == off
-    live.set_toggle("decode_fusion", "off")  # the counters go with the fusion; routing stays chosen for later
-    assert model.layers[0].route_counter is None and live.toggles()["decode_routing"] == "fused"
+    live.set_toggle("decode_fusion", "off")  # the routing goes with the fusion; it stays chosen for later
+    assert not model.layers[0].decode_routing and live.toggles()["decode_routing"] == "fused"
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------------------
@@ -236,55 +236,34 @@ def test_gpu_gemv_pair_is_two_gemvs():
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_gemv_pair_routed_is_pair_then_routing():
-    """The 26B-A4B gate_up with its router and top-8 routing in one launch, every tile, PDL: the gate_up output and
-    the expert ids equal gemv_pair + moe_routing's, the routing weights to fp32 rounding (12-08 call 5: not bit for
-    bit on the GPU, where the softmax sums follow each kernel's warp layout), eagerly and over 50 replays of a CUDA
-    graph of 30 launches on 30 counters (one per MoE layer) with new inputs each replay; every counter back at 0."""
-    from perfkit.kernels.gemv import GEMV_TILES, gemv_pair, gemv_pair_routed
+def test_gpu_gemv_routed_is_gemv_then_routing():
+    """The 26B-A4B GLU down (2816 x 2112) with the top-8 routing of 128 logits in one launch, every tile, PDL: the
+    product equals gemv's bit for bit, the expert ids equal moe_routing's and the weights to fp32 rounding (on the
+    GPU the softmax sums follow each kernel's warp layout)."""
+    from perfkit.kernels.gemv import GEMV_TILES, gemv, gemv_routed
     from perfkit.kernels.moe import moe_routing
 
     gen = torch.Generator(device="cuda").manual_seed(4)
-    x, xr = (torch.randn(1, 2816, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
-    w = (torch.randn(4224, 2816, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-    wr = (torch.randn(128, 2816, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+    gu = torch.randn(1, 2 * 2112, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(2816, 2112, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    logits = torch.randn(1, 128, device="cuda", generator=gen).to(torch.bfloat16) * 3
     scale = torch.rand(128, device="cuda", generator=gen) + 0.5
-    counters = torch.zeros(30, dtype=torch.int32, device="cuda")
+    ref_w, ref_idx = moe_routing(logits, 8, scale)
     for tile in GEMV_TILES:
-        out, rw, ridx = gemv_pair_routed(x, w, xr, wr, 8, scale, counters[:1], tile, pdl=True)
-        a, logits = gemv_pair(x, w, xr, wr, tile, pdl=True)
-        ref_w, ref_idx = moe_routing(logits, 8, scale)
-        assert torch.equal(out, a) and torch.equal(ridx, ref_idx)
+        out, rw, ridx = gemv_routed(gu, w, logits, 8, scale, tile, pdl=True, glu=True)
+        assert torch.equal(out, gemv(gu, w, tile, glu=True)) and torch.equal(ridx, ref_idx)
         torch.testing.assert_close(rw, ref_w, rtol=1e-6, atol=0)
-    tile = GEMV_TILES[2]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        gemv_pair_routed(x, w, xr, wr, 8, scale, counters[:1], tile, pdl=True)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [gemv_pair_routed(x, w, xr, wr, 8, scale, counters[i : i + 1], tile, pdl=True) for i in range(30)]
-    for _ in range(50):
-        xr.copy_(torch.randn(1, 2816, device="cuda", generator=gen))
-        graph.replay()
-        ref_w, ref_idx = moe_routing(gemv_pair(x, w, xr, wr, tile)[1], 8, scale)
-        for o in outs:
-            assert torch.equal(o[2], ref_idx)
-            torch.testing.assert_close(o[1], ref_w, rtol=1e-6, atol=0)
-    assert counters.eq(0).all()
 
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_routed_pair_then_early_gather_in_a_graph():
-    """The 26B-A4B batch-1 MoE chain as the model runs it with decode_fusion and PDL: an rmsnorm writes the inputs,
-    gemv_pair_routed (gate_up + router + routing), the GLU down gemv, then the experts with early_inputs (their
-    gate_up kernel reads the routing and x before its wait). 40 replays of one graph holding 30 such layers (each
-    with its own counter and experts' input), new inputs each time: the expert ids equal the routing kernel's, and
-    the experts' outputs equal a plain launch's on the graph's own routing (the weights' fp32 rounding may differ
-    from the routing kernel's; what is checked here is that the early reads saw this replay's routing)."""
-    from perfkit.kernels.gemv import GEMV_TILES, gemv, gemv_pair_routed
+def test_gpu_routed_moe_chain_in_a_graph():
+    """The 26B-A4B batch-1 MLP + MoE chain as the model runs it with decode_fusion, decode_routing fused and PDL: an
+    rmsnorm writes the inputs, gemv_pair (dense gate_up + router), gemv_routed (the GLU down + the routing), then
+    the experts' two gather kernels. 40 replays of one graph holding 30 such layers, new inputs each time: the
+    down output equals gemv's, the expert ids the routing kernel's, and the experts' output a plain launch's on
+    the graph's own routing (whose weights may differ from the routing kernel's by fp32 rounding)."""
+    from perfkit.kernels.gemv import GEMV_TILES, gemv, gemv_pair, gemv_routed
     from perfkit.kernels.moe import fused_moe, moe_routing
     from perfkit.kernels.rmsnorm import rmsnorm
 
@@ -298,37 +277,35 @@ def test_gpu_routed_pair_then_early_gather_in_a_graph():
     e_gu, e_dn = rnd(E, 2 * Im, H), rnd(E, H, Im)
     scale, nw = torch.rand(E, device="cuda", generator=gen) + 0.5, rnd(H, s=1.0)
     a = rnd(30, H, s=1.0)
-    counters = torch.zeros(30, dtype=torch.int32, device="cuda")
     tile = GEMV_TILES[2]
 
-    def layer(i, early):
+    def layer(i):
         x = rmsnorm(a[i : i + 1], nw, 1e-6, pdl=True)
-        xe = rmsnorm(a[i : i + 1] * 0.5, nw, 1e-6, pdl=True)
-        gu, rw, ridx = gemv_pair_routed(x, w_gu, x, w_r, 8, scale, counters[i : i + 1], tile, pdl=True)
-        gemv(gu, w_dn, tile, glu=True, pdl=True)
-        return rw, ridx, fused_moe(xe, e_gu, e_dn, rw, ridx, path="gather", pdl=True, early_inputs=early)
+        gu, logits = gemv_pair(x, w_gu, x, w_r, tile, pdl=True)
+        y, rw, ridx = gemv_routed(gu, w_dn, logits, 8, scale, tile, pdl=True, glu=True)
+        return y, rw, ridx, fused_moe(x, e_gu, e_dn, rw, ridx, path="gather", pdl=True)
 
-    def check(i, rw, ridx, out):
+    def check(i, y, rw, ridx, out):
         x = rmsnorm(a[i : i + 1], nw, 1e-6)
-        xe = rmsnorm(a[i : i + 1] * 0.5, nw, 1e-6)
-        assert torch.equal(ridx, moe_routing(gemv(x, w_r, tile), 8, scale)[1])
-        assert torch.equal(out, fused_moe(xe, e_gu, e_dn, rw, ridx, path="gather"))
+        gu, logits = gemv_pair(x, w_gu, x, w_r, tile)
+        assert torch.equal(y, gemv(gu, w_dn, tile, glu=True))
+        assert torch.equal(ridx, moe_routing(logits, 8, scale)[1])
+        assert torch.equal(out, fused_moe(x, e_gu, e_dn, rw, ridx, path="gather"))
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        layer(0, True)
+        layer(0)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = [layer(i, True) for i in range(30)]
+        outs = [layer(i) for i in range(30)]
     for _ in range(40):
         a.copy_(rnd(30, H, s=1.0))
         graph.replay()
         torch.cuda.synchronize()
         for i, o in enumerate(outs):
             check(i, *o)
-    assert counters.eq(0).all()
 
 
 @pytest.mark.gpu
@@ -355,8 +332,8 @@ def test_gpu_engine_tokens_identical_with_decode_fusion(preset):
         return [got[r] for r in rids]
 
     outs = [run(Engine(model, cfg, EngineConfig(**kw, decode_fusion=f))) for f in (False, True)]
-    # decode_routing fused: the routing weights differ from the routing kernel's by fp32 rounding at most (12-08
-    # call 5: the expert ids and these tokens matched)
+    # decode_routing fused: the routing weights differ from the routing kernel's by fp32 rounding at most (the
+    # expert ids and these tokens matched)
     assert run(Engine(model, cfg, EngineConfig(**kw, decode_fusion=True, decode_routing=True))) == outs[0]
     live = Engine(model, cfg, EngineConfig(**kw))
     live.set_toggle("decode_fusion", "on")

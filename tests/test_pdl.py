@@ -67,18 +67,9 @@ def test_every_pdl_kernel_waits_before_any_store_or_return():
             "_qkv_norm_rope_kernel", "_paged_decode_kernel", "_merge_splits_kernel", "_moe_routing_kernel",
             "_moe_gather_gate_up_kernel", "_moe_gather_down_kernel"} <= names  # fmt: skip
     for name, src in kernels:
-        fn = ast.parse(src).body[0]
-        body = fn.body
-        if "EARLY" in {a.arg for a in fn.args.args}:  # the late-wait form: `if not EARLY:` at the top, `if EARLY:`
-            # before the first store (its caller guarantees no input comes from the launch just before)
-            enters = [i for i, st in enumerate(body) if ast.unparse(st) in ("if not EARLY:\n    pdl_enter(PDL)",
-                                                                            "if EARLY:\n    pdl_enter(PDL)")]  # fmt: skip
-            assert len(enters) == 2 and ast.unparse(body[enters[0]]).startswith("if not EARLY"), name
-            late = "\n".join(ast.unparse(st) for st in body[: enters[1]])
-            assert all(f not in late for f in ("tl.store", "tl.atomic", "return")), f"{name}: writes before the wait"
-        else:
-            enters = [i for i, st in enumerate(body) if "pdl_enter(PDL)" in ast.unparse(st) and isinstance(st, ast.Expr)]
-            assert len(enters) == 1, f"{name}: one top-level pdl_enter(PDL) statement"
+        body = ast.parse(src).body[0].body
+        enters = [i for i, st in enumerate(body) if "pdl_enter(PDL)" in ast.unparse(st) and isinstance(st, ast.Expr)]
+        assert len(enters) == 1, f"{name}: one top-level pdl_enter(PDL) statement"
         before = "\n".join(ast.unparse(st) for st in body[: enters[0]])
         for forbidden in ("tl.store", "tl.atomic", "return", "for ", "while "):
             assert forbidden not in before, f"{name}: {forbidden!r} before pdl_enter"
@@ -256,36 +247,3 @@ def test_gpu_engine_tokens_identical_with_pdl(preset):
     assert live.toggles()["pdl"] == "on" and model.pdl
     outs.append(run(live))
     assert outs[0] == outs[1] == outs[2]
-
-
-_EARLY_COMPILE = """
-import json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from perfkit.kernels import moe
-
-sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "act_ptr": "*bf16", "idx_ptr": "*i32", "topw_ptr": "*fp32"}
-sig |= dict.fromkeys(("inter", "H", "top_k", "stride_x", "stride_we", "stride_wn", "stride_act"), "i32")
-rows = []
-for early in (0, 1):
-    consts = {"BLOCK_N": 8, "BLOCK_K": 256, "PREFETCH": 1, "EVICT_FIRST": 1, "PDL": 1, "EARLY": early}
-    try:
-        k = triton.compile(ASTSource(moe._moe_gather_gate_up_kernel, sig | dict.fromkeys(consts, "constexpr"), consts),
-                           target=GPUTarget("cuda", 90, 32))
-        ptx = k.asm["ptx"]
-        wait, first_load = ptx.find("griddepcontrol.wait"), ptx.find("ld.global")
-        rows.append({"cg": "ld.global.cg" in ptx, "loads_before_wait": 0 <= first_load < wait})
-    except Exception as exc:
-        rows.append(f"{type(exc).__name__}: {exc}"[:2000])
-print(json.dumps(rows))
-"""
-
-
-def test_early_gather_compiles_for_sm90_with_its_loads_before_the_wait():
-    """Ahead of time for sm_90 (a subprocess outside the interpreter): the gate_up gather kernel's EARLY form reads
-    through L2 and issues its loads before griddepcontrol.wait; the plain form waits first."""
-    from aot import sm90_rows
-
-    rows = sm90_rows(_EARLY_COMPILE)
-    assert rows == [{"cg": False, "loads_before_wait": False}, {"cg": True, "loads_before_wait": True}], rows

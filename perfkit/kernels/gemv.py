@@ -31,6 +31,8 @@ Two fused forms, for launches a batch-1 decode step can do without (toggle decod
 3.115 -> 3.009 ms): ``glu=True`` takes a merged gate_up output [M, 2I] and applies GeGLU as it loads each x step (the
 MLP's down product without the gelu_mul launch), and ``gemv_pair`` runs two independent products of the same K in
 one grid (the 26B-A4B router beside the dense gate_up). Both compute each output exactly as the separate launches.
+A third, ``gemv_routed`` (toggle decode_routing), gives the launch one more program, which routes a MoE router's
+logits (the moe_routing launch) while the others compute the product.
 
 Traffic (``gemv_traffic``): N*K*e weight bytes + M*K*e (x) + M*N*e (out), e = 2 bytes; at M = 1 the weight is
 all of it.
@@ -103,7 +105,9 @@ def _gemv_kernel(
     stride_x2m,
     stride_w2n,
     stride_o2m,
-    count_ptr,  # ROUTE: int32 [1], 0 between launches: the first product's programs that have stored their rows
+    logits_ptr,  # ROUTE: a MoE router's [M, E] logits (an earlier launch's output), row stride stride_lm
+    stride_lm,
+    E,
     escale_ptr,  # ROUTE: [E] per_expert_scale; the routing weights fp32 [M, TOP_K] and expert ids int32 [M, TOP_K]
     rw_ptr,
     ridx_ptr,
@@ -115,14 +119,13 @@ def _gemv_kernel(
     PRELOAD: tl.constexpr = 1,  # weight tiles in flight before the wait (1 or 2; 2 keeps three tiles live)
     GLU: tl.constexpr = 0,  # x is [M, 2K] (gate | up): the product's input is gelu_tanh(gate) * up in x's dtype
     PAIR: tl.constexpr = 0,  # a second, independent product in the same launch (x2_ptr ...)
-    ROUTE: tl.constexpr = 0,  # PAIR whose first product is a MoE router's [M, E] logits: the last of its programs
-    TOP_K: tl.constexpr = 1,  # to finish routes them (moe._route_row: the moe_routing launch it replaces)
+    ROUTE: tl.constexpr = 0,  # one more program on grid axis 0, the last, routes the logits (moe._route_row: the
+    TOP_K: tl.constexpr = 1,  # moe_routing launch it replaces) while the others compute the product
     BLOCK_TK: tl.constexpr = 1,
     BLOCK_E: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    router = pid_n < n_blocks1
     if PAIR:
         if pid_n >= n_blocks1:  # this program computes rows of the second product
             pid_n -= n_blocks1
@@ -145,7 +148,14 @@ def _gemv_kernel(
         w2 = tl.load(w_ptrs + tl.maximum(tl.minimum(BLOCK_K, k_main - BLOCK_K), 0), mask=full, other=0.0,
                      eviction_policy=EVICT)  # fmt: skip
     pdl_enter(PDL)  # x is the predecessor's output; the weight is constant, so its first tiles are already in flight
-    for k0 in range(0, k_main, BLOCK_K):
+    k_end = k_main
+    if ROUTE:  # the routing program (its rows lie past N: it loaded a clamped tile above and stores nothing below)
+        routing = pid_n == tl.num_programs(0) - 1
+        if routing & (pid_m == 0):
+            for t in range(M):
+                _route_row(logits_ptr, t, stride_lm, escale_ptr, rw_ptr, ridx_ptr, E, TOP_K, BLOCK_TK, BLOCK_E)
+        k_end = tl.where(routing, 0, k_main)  # and skips the product's loop
+    for k0 in range(0, k_end, BLOCK_K):
         x = _x_step(x_ptrs, k0, K, None, GLU)
         if PRELOAD == 2:  # three tiles live: this step's, the next one's and the one after
             w_next = tl.load(w_ptrs + tl.minimum(k0 + 2 * BLOCK_K, k_main - BLOCK_K), eviction_policy=EVICT)
@@ -164,24 +174,6 @@ def _gemv_kernel(
     y = tl.sum(acc, axis=2)  # [BM, BN]
     out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
-    if ROUTE:
-        if router:
-            _route_when_last(out_ptr, stride_om, M, N, count_ptr, n_blocks1 * tl.num_programs(1), escale_ptr, rw_ptr,
-                             ridx_ptr, TOP_K, BLOCK_TK, BLOCK_E)  # fmt: skip
-
-
-@triton.jit
-def _route_when_last(logits_ptr, stride_l, M, E, count_ptr, programs, escale_ptr, rw_ptr, ridx_ptr,
-                     TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
-    """Called by each of the router's ``programs`` after storing its logits: the one that counts last routes all M
-    rows and puts the count back to 0 for the next launch (a CUDA graph replays the same counter). Ordering: the
-    barrier puts every thread's stores before the release half of the atomic, whose acquire half (in the last
-    program) puts the other programs' stores before its loads, which bypass L1 (".cg")."""
-    tl.debug_barrier()
-    if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == programs - 1:
-        for t in range(M):
-            _route_row(logits_ptr, t, stride_l, escale_ptr, rw_ptr, ridx_ptr, E, TOP_K, BLOCK_TK, BLOCK_E, ".cg")
-        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @dataclass(frozen=True)
@@ -289,46 +281,41 @@ def gemv_pair(
     return _launch(x, w, None, config, pdl, pair=(x2, w2, out2)), out2
 
 
-def gemv_pair_routed(
-    x: torch.Tensor, w: torch.Tensor, xr: torch.Tensor, wr: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor,
-    counter: torch.Tensor, config: GemvConfig | None = None, pdl: bool = False,
+def gemv_routed(
+    x: torch.Tensor, w: torch.Tensor, logits: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor,
+    config: GemvConfig | None = None, pdl: bool = False, *, glu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(x @ w^T, routing weights fp32 [M, top_k], expert ids int32 [M, top_k]) in one launch: ``gemv_pair`` with a
-    MoE router (xr [M, K] @ wr [E, K]^T) as its first product, and the routing (``moe.moe_routing``'s math on the
-    stored logits) done by whichever router program finishes last, so no routing launch follows. The products equal
-    gemv_pair's bit for bit; the routing weights equal moe_routing's to fp32 rounding (on the GPU the softmax's
-    sums follow this launch's warp layout, 12-08 call 5; bit for bit under the interpreter), the expert ids matched
-    in every test. The router's programs come first on the grid, so they start first and the routing
-    runs while the other product's programs still stream their weight. counter: int32 [1] holding 0, which no
-    concurrent launch uses (the model keeps one per MoE layer); the kernel leaves it at 0 (CUDA-graph replays).
-    Why: the 26B-A4B routing launch is ~3.4 us per MoE layer at batch 1 (docs/h200-runs/2026-12-07/1-profile_26b_c1,
-    101 us per step) for a few hundred ns of work. Its gain in the engine is not isolated yet (toggle
-    decode_routing, off by default; configs/ab_decode_fusion.yaml's "routed" arm)."""
+    """(``gemv(x, w, config, pdl=pdl, glu=glu)``, routing weights fp32 [M, top_k], expert ids int32 [M, top_k]) in
+    one launch: one more program routes a MoE router's logits [M, E] (``moe.moe_routing``'s math) while the others
+    compute the product, which is bit-identical to gemv's. The logits must come from an earlier launch. The routing
+    weights equal moe_routing's to fp32 rounding on the GPU (the softmax's sums follow this launch's warp layout;
+    bit for bit under the interpreter); the expert ids are the same.
+
+    Why: at batch-1 decode the 26B-A4B routing kernel is a launch of its own on the step's critical path (~3.4 us
+    per MoE layer, 101 us per step: docs/h200-runs/2026-12-07/1-profile_26b_c1.json) for a few hundred ns of work.
+    In the launch of the dense MLP's down product, which does not depend on the routing and runs ~5.7 us, it is off
+    the critical path: the experts' gate_up kernel, next, waits for both. (12-08's form, the routing in the
+    router's own launch after an atomic count of its programs, was serial with the product and tied: 12-09 call 1.)"""
     K = w.shape[1] if w.dim() == 2 else -1
-    _check_operands(x, w, K)
-    _check_operands(xr, wr, K)
-    E = wr.shape[0]
-    if xr.shape[0] != x.shape[0] or not 1 <= top_k <= E or E < 2:
-        raise ValueError(f"gemv_pair_routed: x {tuple(x.shape)}, xr {tuple(xr.shape)}, {E} experts, top_k {top_k}")
-    if counter.dtype != torch.int32 or counter.numel() != 1 or counter.device != x.device:
-        raise ValueError("gemv_pair_routed: counter must be one int32 on the operands' device")
+    _check_operands(x, w, 2 * K if glu else K)
+    E = logits.shape[-1]
+    if logits.dim() != 2 or logits.shape[0] != x.shape[0] or logits.stride(1) != 1 or not 1 <= top_k <= E:
+        raise ValueError(f"gemv_routed: x {tuple(x.shape)}, logits {tuple(logits.shape)}, top_k {top_k}")
     M = x.shape[0]
-    out = torch.empty(M, w.shape[0], dtype=x.dtype, device=x.device)
-    logits = torch.empty(M, E, dtype=xr.dtype, device=x.device)
     rw = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
     ridx = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
-    _launch(xr, wr, logits, config, pdl, pair=(x, w, out), route=(top_k, per_expert_scale, counter, rw, ridx))
+    out = _launch(x, w, None, config, pdl, glu=glu, route=(logits, top_k, per_expert_scale, rw, ridx))
     return out, rw, ridx
 
 
 def _launch(
     x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: GemvConfig | None, pdl: bool,
     glu: bool = False, pair: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    route: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    route: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """One ``_gemv_kernel`` launch on checked operands (w [N, K]; x [M, K], or [M, 2K] with glu; pair: x2, w2 and
-    the second output, whose row blocks follow the first product's on grid axis 0; route, with pair: top_k,
-    per_expert_scale, the counter and the routing outputs, the first product being the router's logits)."""
+    the second output, whose row blocks follow the first product's on grid axis 0; route, not with pair: the
+    logits [M, E], top_k, per_expert_scale and the routing outputs, for one more program at the end of axis 0)."""
     M = x.shape[0]
     N, K = w.shape
     cfg = config or default_tile(N, K)
@@ -341,14 +328,16 @@ def _launch(
         return out
     x2, w2, out2 = (x, w, out) if pair is None else pair
     n_blocks1 = triton.cdiv(N, bn)
-    grid = (n_blocks1 + (0 if pair is None else triton.cdiv(w2.shape[0], bn)), triton.cdiv(M, bm))
-    top_k, escale, count, rw, ridx = (1, out, out, out, out) if route is None else route
+    assert pair is None or route is None
+    grid = (n_blocks1 + (0 if pair is None else triton.cdiv(w2.shape[0], bn)) + (route is not None), triton.cdiv(M, bm))
+    logits, top_k, escale, rw, ridx = (out, 1, out, out, out) if route is None else route
     _gemv_kernel[grid](
         x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-        x2, w2, out2, w2.shape[0], n_blocks1, x2.stride(0), w2.stride(0), out2.stride(0), count, escale, rw, ridx,
+        x2, w2, out2, w2.shape[0], n_blocks1, x2.stride(0), w2.stride(0), out2.stride(0),
+        logits, logits.stride(0), logits.shape[-1], escale, rw, ridx,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVICT="evict_first" if cfg.evict_first else "", PRELOAD=cfg.preload,
         GLU=int(glu), PAIR=int(pair is not None), ROUTE=int(route is not None), TOP_K=top_k,
-        BLOCK_TK=triton.next_power_of_2(top_k), BLOCK_E=1 if route is None else triton.next_power_of_2(N),
+        BLOCK_TK=triton.next_power_of_2(top_k), BLOCK_E=1 if route is None else triton.next_power_of_2(logits.shape[-1]),
         num_warps=cfg.num_warps, **pdl_launch(pdl),
     )  # fmt: skip
     return out

@@ -159,18 +159,17 @@ def _moe_routing_kernel(
 ):
     pdl_enter(PDL)
     _route_row(logits_ptr, tl.program_id(0).to(tl.int64), stride_l, scale_ptr, w_ptr, idx_ptr, E, TOP_K, BLOCK_K,
-               BLOCK_E, "")  # fmt: skip
+               BLOCK_E)  # fmt: skip
 
 
 @triton.jit
 def _route_row(logits_ptr, t, stride_l, scale_ptr, w_ptr, idx_ptr, E, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
-               BLOCK_E: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
+               BLOCK_E: tl.constexpr):  # fmt: skip
     """Row t of the routing: softmax(fp32) -> iterative top-k -> renormalise -> * per_expert_scale, stored as
-    (w fp32 [., TOP_K], ids int32 [., TOP_K]). Also the tail of gemv's routed pair (perfkit/kernels/gemv.py), which
-    reads the logits other programs wrote with CACHE ".cg" (L2, never a stale L1 line). CACHE has no default:
-    triton 3.6 (the H200's) does not compile a jit helper's defaulted str constexpr."""
+    (w fp32 [., TOP_K], ids int32 [., TOP_K]). Also the routing program of gemv's routed form
+    (perfkit/kernels/gemv.py), which replaces this kernel's launch at batch-1 decode."""
     e = tl.arange(0, BLOCK_E)
-    z = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=-float("inf"), cache_modifier=CACHE).to(tl.float32)
+    z = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
     p = tl.exp(z - tl.max(z, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(e < E, p, -1.0)
@@ -456,25 +455,14 @@ def _moe_gather_gate_up_kernel(
     PREFETCH: tl.constexpr = 0,  # 1: unmasked steps, the next step's tiles loaded before this one's FMAs
     EVICT_FIRST: tl.constexpr = 0,  # 1 (with PREFETCH): weight loads marked evict-first
     PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
-    EARLY: tl.constexpr = 0,  # x, ids and weights were written two or more launches back: read before the wait
 ):
-    """One program per (pair p, BLOCK_N rows of I): two GEMVs (gate, up) of x[p // K] with expert idx[p].
-
-    EARLY (the caller's guarantee, with PDL): no input comes from the launch just before this one, so the whole
-    product runs before ``pdl_enter`` and only the store waits. Whichever kernel came before has passed its own
-    wait before this one could launch, so everything before that kernel has finished and its writes are in L2;
-    the loads of x, ids and routing weights go to L2 (".cg"), never a stale L1 line. Why: at batch 1 with
-    decode_fusion the routing comes from the router + gate_up launch and the dense down gemv runs between, so
-    the expert weights stream during that gemv instead of after it."""
-    if not EARLY:
-        pdl_enter(PDL)  # the expert ids may come from the kernel just before
-    cache: tl.constexpr = ".cg" if EARLY else ""
+    """One program per (pair p, BLOCK_N rows of I): two GEMVs (gate, up) of x[p // K] with expert idx[p]."""
+    pdl_enter(PDL)  # the expert ids come from the routing kernel just before
     p = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
-    e = tl.load(idx_ptr + p, cache_modifier=cache).to(tl.int64)  # on the device: no host sync
-    # H, or 0 for a weight-0 pair (a multiple of H keeps the mask's alignment known to the compiler, so the loads
-    # stay vectorised)
-    h_live = H * (tl.load(topw_ptr + p, cache_modifier=cache) != 0).to(tl.int32)
+    e = tl.load(idx_ptr + p).to(tl.int64)  # on the device: no host sync
+    h_live = H * (tl.load(topw_ptr + p) != 0).to(tl.int32)  # H, or 0 for a weight-0 pair (a multiple of H
+    # keeps the mask's alignment known to the compiler, so the loads stay vectorised)
     t = p // top_k
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < inter
@@ -492,7 +480,7 @@ def _moe_gather_gate_up_kernel(
         g = tl.load(g_ptrs, mask=first, other=0.0, eviction_policy=evict)
         u = tl.load(u_ptrs, mask=first, other=0.0, eviction_policy=evict)
         for k0 in range(0, h_main, BLOCK_K):
-            xv = tl.load(x_ptrs + k0, cache_modifier=cache).to(tl.float32)[None, :]
+            xv = tl.load(x_ptrs + k0).to(tl.float32)[None, :]
             k_next = tl.minimum(k0 + BLOCK_K, h_main - BLOCK_K)
             g_next = tl.load(g_ptrs + k_next, eviction_policy=evict)
             u_next = tl.load(u_ptrs + k_next, eviction_policy=evict)
@@ -501,7 +489,7 @@ def _moe_gather_gate_up_kernel(
             g, u = g_next, u_next
         if h_main < h_live:  # the H tail: one masked step
             km = offs_k < h_live - h_main
-            xv = tl.load(x_ptrs + h_main, mask=km, other=0.0, cache_modifier=cache).to(tl.float32)[None, :]
+            xv = tl.load(x_ptrs + h_main, mask=km, other=0.0).to(tl.float32)[None, :]
             acc_g += tl.load(g_ptrs + h_main, mask=km[None, :], other=0.0).to(tl.float32) * xv
             acc_u += tl.load(u_ptrs + h_main, mask=km[None, :], other=0.0).to(tl.float32) * xv
     else:
@@ -510,15 +498,13 @@ def _moe_gather_gate_up_kernel(
         for k0 in range(0, H, BLOCK_K):
             km = offs_k < h_live - k0
             wm = nmask[:, None] & km[None, :]
-            xv = tl.load(x_ptrs, mask=km, other=0.0, cache_modifier=cache).to(tl.float32)[None, :]
+            xv = tl.load(x_ptrs, mask=km, other=0.0).to(tl.float32)[None, :]
             acc_g += tl.load(g_ptrs, mask=wm, other=0.0).to(tl.float32) * xv
             acc_u += tl.load(u_ptrs, mask=wm, other=0.0).to(tl.float32) * xv
             x_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
     a = _gelu_tanh_f32(tl.sum(acc_g, axis=1)) * tl.sum(acc_u, axis=1)  # [BLOCK_N]
-    if EARLY:
-        pdl_enter(PDL)  # act's memory may still be read by the kernel before
     tl.store(act_ptr + p * stride_act + offs_n, a.to(act_ptr.dtype.element_ty), mask=nmask)
 
 
@@ -802,16 +788,14 @@ def gather_gate_up_defaults(pairs: int) -> dict[str, int]:
 
 def _gather_gate_up(
     x: torch.Tensor, w_gate_up: torch.Tensor, idx: torch.Tensor, topw: torch.Tensor, top_k: int, tiles: dict,
-    pdl: bool = False, early: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """x [T, H], w_gate_up [E, 2I, H], idx / topw [T*K] -> act [T*K, I] (x's dtype). ``tiles`` already fitted.
-    early: the kernel's EARLY form (its inputs are two or more launches old; without pdl it only reads through L2)."""
+    """x [T, H], w_gate_up [E, 2I, H], idx / topw [T*K] -> act [T*K, I] (x's dtype). ``tiles`` already fitted."""
     P, inter, H = idx.numel(), w_gate_up.shape[1] // 2, x.shape[1]
     act = torch.empty((P, inter), dtype=x.dtype, device=x.device)
     _moe_gather_gate_up_kernel[(P, triton.cdiv(inter, tiles["BLOCK_N"]))](
         x, w_gate_up, act, idx, topw, inter, H, top_k,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), **tiles, **pdl_launch(pdl),
-        EARLY=int(early),
     )  # fmt: skip
     return act
 
@@ -847,14 +831,13 @@ def _fused_moe_gather(
     gate_up_tiles: dict[str, int] | None = None,
     down_tiles: dict[str, int] | None = None,
     pdl: bool = False,
-    early_inputs: bool = False,
 ) -> torch.Tensor:
     """Decode path: two kernels, no align / sort, no separate combine (see module doc)."""
     H, inter, K = x.shape[1], w_down.shape[2], topk_idx.shape[1]
     idx = topk_idx.reshape(-1).contiguous()  # [T*K]; a view of a contiguous [T, K] (no launch); a strided
     topw = topk_w.reshape(-1).contiguous()  # slice (w[:, :1] reshapes to a stride-K view) is copied
     t1 = _gather_tiles(gather_gate_up_defaults(idx.numel()), gate_up_tiles, inter, H)
-    act = _gather_gate_up(x, w_gate_up, idx, topw, K, t1, pdl, early_inputs)
+    act = _gather_gate_up(x, w_gate_up, idx, topw, K, t1, pdl)
     t2 = _gather_tiles(GATHER_DOWN_TILES, down_tiles, H, inter)
     return _gather_down(act, w_down, idx, topw, K, t2, x.dtype, pdl)
 
@@ -1156,7 +1139,6 @@ def fused_moe(
     gate_up_tiles: dict[str, int] | None = None,
     down_tiles: dict[str, int] | None = None,
     pdl: bool = False,
-    early_inputs: bool = False,
 ) -> torch.Tensor:
     """Routed GeGLU experts: x [T, H], w_gate_up [E, 2I, H] (gate rows first), w_down [E, H, I],
     topk_w [T, K] (applied to each expert's output), topk_idx [T, K] (int32 or int64, each in [0, E): not
@@ -1168,10 +1150,7 @@ def fused_moe(
     ``gather_gate_up_defaults`` / ``GATHER_DOWN_TILES`` (for sweeps; without PREFETCH the plain form runs).
     pdl: the gather path's kernels launch with programmatic dependent launch (perfkit/kernels/pdl.py; sm_90+ only);
     the sorted path's never do (it runs above MOE_GATHER_MAX_PAIRS pairs, where its GEMMs take 100+ us and a
-    launch's latency is a small part of them). early_inputs (with pdl, gather path): the caller guarantees x,
-    topk_w and topk_idx were written two or more launches before this call, so the gate_up kernel streams its
-    expert weights before its PDL wait (its EARLY form; the model's batch-1 step with the routing in the router +
-    gate_up launch and the dense down gemv after it)."""
+    launch's latency is a small part of them)."""
     chosen = select_moe_path(topk_idx.numel(), path)
     T, H = x.shape
     E, two_i, H2 = w_gate_up.shape
@@ -1187,7 +1166,7 @@ def fused_moe(
     w_gate_up = w_gate_up.contiguous()
     w_down = w_down.contiguous()
     if chosen == "gather":
-        return _fused_moe_gather(x, w_gate_up, w_down, topk_w, topk_idx, gate_up_tiles, down_tiles, pdl, early_inputs)
+        return _fused_moe_gather(x, w_gate_up, w_down, topk_w, topk_idx, gate_up_tiles, down_tiles, pdl)
     return _fused_moe_sorted(x, w_gate_up, w_down, topk_w, topk_idx, block_m)
 
 

@@ -17,8 +17,8 @@ Toggles (settable on a live engine with `set_toggle`; both arms of every toggle 
   rounding-level)   pdl=on|off (the fused path's and the Triton decode's kernels launch with programmatic
   dependent launch, sm_90+; the same kernels and arithmetic, so bit for bit)   decode_fusion=on|off (fewer
   launches per batch-1 decode layer: GeGLU inside the down gemv, the MoE router beside the dense gate_up in one
-  gemv launch; bit for bit)   decode_routing=separate|fused (with decode_fusion: the MoE routing in the router's
-  launch and the experts' gate_up weights streamed before its PDL wait; the routing weights to fp32 rounding)
+  gemv launch; bit for bit)   decode_routing=separate|fused (with decode_fusion: the MoE routing as one more
+  program of the dense down gemv's launch; the routing weights to fp32 rounding)
 Three toggles change the arithmetic's order, so their arms agree to rounding rather than bit for bit:
   fused_kernels=on|off   moe_gather=gemv|kernels (NVFP4 experts at decode sizes; no effect on other models)
   moe_prefill=auto|quantized|dequant (NVFP4 / FP8 experts at prefill sizes; no effect on other models)
@@ -92,7 +92,7 @@ class EngineConfig:
     decode_gemv: str = "cublas"  # auto | cublas | triton: one-row linears (Gemma4ForCausalLM.set_decode_gemv)
     pdl: bool = False  # Triton kernels launch with programmatic dependent launch (perfkit/kernels/pdl.py; sm_90+)
     decode_fusion: bool = False  # fewer launches per batch-1 decode layer (Gemma4ForCausalLM.set_decode_fusion)
-    decode_routing: bool = False  # with decode_fusion: MoE routing in the router's gemv launch (set_decode_fusion)
+    decode_routing: bool = False  # with decode_fusion: MoE routing in the down gemv's launch (set_decode_fusion)
     workspace_bytes: int = 256 << 20  # flashinfer float workspace, shared by every wrapper
     seed: int = 0  # sampling generators
 

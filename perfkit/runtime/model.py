@@ -79,7 +79,7 @@ def _kernel_table(pdl: bool) -> SimpleNamespace:
         gelu_mul=bind(gelu_mul.gelu_mul),
         gelu_mul_cat=bind(gelu_mul.gelu_mul_cat),
         gemv_pair=bind(gemv.gemv_pair),
-        gemv_pair_routed=bind(gemv.gemv_pair_routed),
+        gemv_routed=bind(gemv.gemv_routed),
         qk_norm_rope=bind(qk_norm_rope.qk_norm_rope),
         qkv_norm_rope_split=bind(qk_norm_rope.qkv_norm_rope_split),
         split_qkv=qk_norm_rope.split_qkv,  # views only, no launch
@@ -292,13 +292,14 @@ class Gemma4MLP(nn.Module):
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
 
     def forward_fused(
-        self, x: Tensor, side: tuple[Tensor, nn.Module] | None = None, route: tuple[int, Tensor, Tensor] | None = None
+        self, x: Tensor, side: tuple[Tensor, nn.Module] | None = None, route: tuple[int, Tensor] | None = None
     ) -> tuple[Tensor, Tensor | tuple[Tensor, Tensor] | None]:
         """The MLP on the fused path -> (mlp(x) [T, H], side[1](side[0]) or None). side: (x2 [T, H], a linear of
         the same in_features): a product of another input that rides in the gate_up launch when both are
         one-row gemvs (the 26B-A4B router; see `_paired`), else runs as its own `linear`. route: (top_k,
-        per_expert_scale, counter) when side is a MoE router: where the pair launches, its last router program
-        routes too (`gemv_pair_routed`) and the side result is (weights fp32 [T, k], ids int32 [T, k]).
+        per_expert_scale) when side is a MoE router: where the down product is the GLU gemv, one more program of its
+        launch routes the router's logits (`gemv_routed`) and the side result is (weights fp32 [T, k], ids int32
+        [T, k]).
 
         decode_fusion: the down product takes the gate_up output itself (gemv glu=True: GeGLU on load, no
         gelu_mul launch) when it is one row and `glu_tiles` has a tile for its shape (decode_gemv=auto: where that
@@ -309,16 +310,16 @@ class Gemma4MLP(nn.Module):
             s = None if side is None else linear(side[0], side[1], t, p)
             return linear(K.gelu_mul(g, u), self.down_proj, t, p), s
         paired = self._paired(x, w, side)
-        if paired is not None and route is not None:
-            gu, rw, ridx = K.gemv_pair_routed(x, w, side[0], paired[0], *route, paired[1])
-            s = (rw, ridx)
-        elif paired is not None:
+        if paired is not None:
             gu, s = K.gemv_pair(x, w, side[0], paired[0], paired[1])
         else:  # one GEMM -> [T, 2I]
             gu = linear(x, self.gate_up, t, p)
             s = None if side is None else linear(side[0], side[1], t, p)
         w_down = _plain_weight(self.down_proj) if self.decode_fusion else None
         tile = _gemv_tile(gu, w_down, self.glu_tiles)
+        if tile is not None and route is not None and s is not None:
+            y, rw, ridx = K.gemv_routed(gu, w_down, s, *route, tile, glu=True)
+            return y, (rw, ridx)
         if tile is not None:
             return K.gemv(gu, w_down, tile, glu=True), s
         return linear(K.gelu_mul_cat(gu), self.down_proj, t, p), s  # gelu_mul reads the two strided halves
@@ -456,11 +457,10 @@ class Gemma4Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * Im, H))  # rows [0, Im) gate, [Im, 2Im) up
         self.down_proj = nn.Parameter(torch.empty(E, H, Im))
 
-    def forward(self, x: Tensor, idx: Tensor, w: Tensor, early_inputs: bool = False) -> Tensor:
-        """x [T, H], idx / w [T, K] -> [T, H]. early_inputs (fused path): x, idx and w were written two or more
-        launches back (`fused_moe`'s early_inputs: the expert weights stream before the PDL wait)."""
+    def forward(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+        """x [T, H], idx / w [T, K] -> [T, H]."""
         if self.fused:  # grouped Triton GEMMs, any T, no host sync
-            return _kernels(self.pdl).fused_moe(x, self.gate_up_proj, self.down_proj, w, idx, early_inputs=early_inputs)
+            return _kernels(self.pdl).fused_moe(x, self.gate_up_proj, self.down_proj, w, idx)
         if idx.numel() <= self.gather_max_rows:
             return self.forward_gather(x, idx, w)
         return self.forward_sorted(x, idx, w)
@@ -500,7 +500,7 @@ class Gemma4DecoderLayer(nn.Module):
     gemv_tiles: GemvTiles = NO_GEMV  # set by Gemma4ForCausalLM.set_decode_gemv
     pdl = False  # set by Gemma4ForCausalLM.set_pdl
     decode_fusion = False  # set by Gemma4ForCausalLM.set_decode_fusion
-    route_counter: Tensor | None = None  # MoE layers, decode_routing fused: gemv_pair_routed's int32 [1] counter
+    decode_routing = False  # set by Gemma4ForCausalLM.set_decode_fusion (MoE layers: the routing in the down launch)
 
     def __init__(self, cfg: Gemma4Config, layer: AttnLayer):
         super().__init__()
@@ -574,12 +574,10 @@ class Gemma4DecoderLayer(nn.Module):
         x2 = None
         if self.enable_moe_block:  # the router product rides in the dense gate_up's launch where it can
             rt = self.router
-            route = None if self.route_counter is None else (rt.top_k, rt.per_expert_scale, self.route_counter)
+            route = (rt.top_k, rt.per_expert_scale) if self.decode_routing else None
             m, s = self.mlp.forward_fused(ys[0], side=(ys[2], rt.proj), route=route)
-            routed = isinstance(s, tuple)  # routed inside the pair launch, and the dense down launched since: the
-            # routing is two launches old when the experts start (their early_inputs)
-            w, idx = s if routed else K.moe_routing(s, rt.top_k, rt.per_expert_scale)
-            e = self.experts(ys[1], idx, w, early_inputs=routed)
+            w, idx = s if isinstance(s, tuple) else K.moe_routing(s, rt.top_k, rt.per_expert_scale)  # tuple: routed
+            e = self.experts(ys[1], idx, w)  # in the down launch
             x2 = (e, self.post_feedforward_layernorm_1.weight, self.post_feedforward_layernorm_2.weight)
         else:
             m = self.mlp(ys[0])
@@ -663,17 +661,10 @@ class Gemma4ForCausalLM(nn.Module):
         """Fewer launches per batch-1 decode layer on the fused path (toggle ``decode_fusion``), each bit-identical to
         the launches it replaces: the down gemv applies GeGLU to the gate_up output as it loads it (no gelu_mul
         launch), and the 26B-A4B router's product shares the dense gate_up's gemv launch (no router launch).
-        routed (toggle ``decode_routing``, with on): that launch's last router program also routes (no routing
-        launch; the weights to fp32 rounding on the GPU) and the experts' gate_up kernel reads the routing before
-        its PDL wait. Each MoE layer then gets its own zeroed int32 counter, allocated here on the model's device:
-        call after the model is placed."""
+        routed (toggle ``decode_routing``, with on): the MoE routing rides in the dense down product's GLU gemv
+        launch as one more program (``gemv_routed``: no routing launch; the weights to fp32 rounding on the GPU)."""
         self._set_module_flag("decode_fusion", bool(on))
-        moe = [layer for layer in self.layers if layer.enable_moe_block]
-        counters = None
-        if on and routed and moe and self.device.type != "meta":
-            counters = torch.zeros(len(moe), dtype=torch.int32, device=self.device)
-        for i, layer in enumerate(moe):
-            layer.route_counter = None if counters is None else counters[i : i + 1]
+        self._set_module_flag("decode_routing", bool(on and routed))
 
     def _set_module_flag(self, name: str, value: bool | None) -> bool:
         """``name = value`` on every submodule whose class declares ``name``; whether any does."""

@@ -432,9 +432,7 @@ class QuantizedExperts(nn.Module):
             )  # fmt: skip
         return (self._dequant(name, ids) @ x.float()[:, :, None])[:, :, 0].to(x.dtype)
 
-    def forward(self, x: Tensor, idx: Tensor, w: Tensor, early_inputs: bool = False) -> Tensor:
-        """x [T, H], idx / w [T, K] -> [T, H]. early_inputs: accepted for Gemma4Experts' signature; these kernels
-        launch without PDL, so there is no wait to move."""
+    def forward(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
         pairs = idx.numel()
         if self.backend == "w4a16-triton" and self.gather_kernels and pairs <= self.gather_kernels_max_rows:
             gu = self.quant_weights("gate_up_proj")

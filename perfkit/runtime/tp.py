@@ -251,8 +251,7 @@ class _ExpertParallel:
     tp_expert_start: int
     tp_num_local_experts: int
 
-    def forward(self, x: Tensor, idx: Tensor, w: Tensor, early_inputs: bool = False) -> Tensor:
-        # early_inputs is dropped: the local ids and weights below are written by the launches just before
+    def forward(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
         local = idx - self.tp_expert_start
         mine = (local >= 0) & (local < self.tp_num_local_experts)
         base = super().forward  # type: ignore[misc]
