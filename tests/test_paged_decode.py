@@ -291,3 +291,96 @@ def test_gpu_toggle_switches_the_captured_graphs():
         outs[kernel] = [got[r] for r in rids]
         e.bm.check_no_leaks()
     assert outs["auto"] == outs["triton"]
+
+
+_SM90_COMPILE = """
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from perfkit.kernels import paged_decode as pd
+
+sig = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "indices_ptr": "*i32", "indptr_ptr": "*i32", "kv_lens_ptr": "*i32",
+       "out_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32"}
+sig |= dict.fromkeys(("stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_page", "stride_kv", "stride_tok",
+                      "stride_head", "num_splits", "window"), "i32")
+rows = []
+for direct in (0, 1):
+    consts = {"GROUP": 2, "BLOCK_H": 16, "HEAD_DIM": 256, "PAGE_SIZE": 16, "BLOCK_N": 32, "FP8": 0, "DIRECT": direct,
+              "UPCAST": 0, "PDL": 1}
+    try:
+        k = triton.compile(ASTSource(pd._paged_decode_kernel, sig | dict.fromkeys(consts, "constexpr"), consts),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+        ptx = k.asm["ptx"]
+        wait = ptx.find("griddepcontrol.wait")
+        rows.append({"cg_before_wait": 0 <= ptx.find("ld.global.cg") < wait, "loads_after_wait": "ld.global" in ptx[wait:]})
+    except Exception as exc:
+        rows.append(f"{type(exc).__name__}: {exc}"[:2000])
+print(json.dumps(rows))
+"""
+
+
+def test_kernel_compiles_for_sm90_with_its_reads_before_the_wait():
+    """Ahead of time for sm_90 (a subprocess outside the interpreter): the decode kernel issues its L2-only reads
+    (lengths, page ids, the first keys and values) before griddepcontrol.wait, and reads after it (q, the newest
+    row, the later tiles)."""
+    from aot import sm90_rows
+
+    rows = sm90_rows(_SM90_COMPILE)
+    assert rows == [{"cg_before_wait": True, "loads_after_wait": True}] * 2, rows
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("lens", [[1100], [700, 1500, 33]])
+def test_gpu_pdl_reads_the_newest_row_its_predecessor_wrote(lens):
+    """A CUDA graph of [a slow PDL kernel that writes q and each row's newest key / value -> the decode kernel with
+    PDL], replayed with new rows: the decode kernel reads everything else before its PDL wait (during the writer's
+    ~50 us of spinning), so this checks that it re-reads the newest row and q after the wait, every replay."""
+    import triton
+    import triton.language as tl
+
+    from perfkit.kernels.pdl import pdl_enter
+
+    @triton.jit
+    def write_rows(src_ptr, q_ptr, cache_ptr, offs_ptr, nq, spin, D: tl.constexpr, PDL: tl.constexpr):
+        """Row i of src to q (i < nq) or the cache, at element offset offs[i], after ``spin`` dependent reads."""
+        pdl_enter(PDL)
+        i = tl.program_id(0)
+        d = tl.arange(0, D)
+        acc = tl.zeros([D], tl.float32)
+        for _ in range(spin):  # each read's address depends on the last one's value: ~0.5 us apiece
+            acc += tl.load(src_ptr + i * D + d + (acc != acc).to(tl.int32), cache_modifier=".cg").to(tl.float32)
+        x = tl.load(src_ptr + i * D + d) + (acc * 0).to(src_ptr.dtype.element_ty)
+        dst = cache_ptr
+        if i < nq:
+            dst = q_ptr
+        tl.store(dst + tl.load(offs_ptr + i) + d, x)
+
+    heads, kvh, hd, window = REAL["26b-sliding"]
+    ps = 16
+    q, cache, ind, ptr, kl = make_case(lens, heads, kvh, hd, ps, seed=7, device="cuda")
+    offs = []  # element offsets of q's rows, then of each newest key / value row, in the flat q / cache
+    for b, n in enumerate(lens):
+        page, slot = int(ind[int(ptr[b]) + (n - 1) // ps]), (n - 1) % ps
+        for kv in (0, 1):
+            offs += [(((page * 2 + kv) * ps + slot) * kvh + h) * hd for h in range(kvh)]
+    nq = q.numel() // hd
+    offs = torch.tensor([r * hd for r in range(nq)] + offs, dtype=torch.int64, device="cuda")
+    src = torch.empty(len(offs), hd, dtype=q.dtype, device="cuda")
+    out = torch.empty_like(q)
+    splits = pick_splits(len(lens), kvh, 132, window)
+
+    def step():
+        write_rows[(len(offs),)](src, q, cache, offs, nq, 100, D=hd, PDL=1, launch_pdl=True)
+        paged_decode_attention(q, cache, ind, ptr, kl, window=window, num_splits=splits, out=out, pdl=True)
+
+    step()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for _ in range(10):
+        src.normal_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert_close_to_ref(out, paged_decode_attention_ref(q, cache, ind, ptr, kl, window=window))
