@@ -47,16 +47,6 @@ LOG2E = 1.4426950408889634
 # --------------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _kv_rows(indices_ptr, first, t, tmask, g, stride_page, stride_tok, stride_head, PAGE_SIZE: tl.constexpr,
-             CACHE: tl.constexpr):  # fmt: skip
-    """Offsets [BLOCK_N] (int64) of kv positions t's key rows of kv head g, through the row's page ids (starting at
-    indices[first]); masked positions read page 0. CACHE has no default (triton 3.6 does not compile a jit
-    helper's defaulted str constexpr)."""
-    page = tl.load(indices_ptr + first + t // PAGE_SIZE, mask=tmask, other=0, cache_modifier=CACHE).to(tl.int64)
-    return page * stride_page + (t % PAGE_SIZE) * stride_tok + g * stride_head
-
-
 @triton.jit(do_not_specialize=["num_splits", "window"])  # one compile per pool shape, whatever the batch
 def _paged_decode_kernel(
     q_ptr,  # [B, H, D] (row stride stride_qb, head stride stride_qh, d contiguous)
@@ -89,53 +79,45 @@ def _paged_decode_kernel(
     UPCAST: tl.constexpr,  # interpreter only: its bf16 tl.dot multiplies the raw uint16 bits, so dot in fp32
     PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
 ):
+    pdl_enter(PDL)  # every program, before the lengths, the page ids, q and the cache (all written this step)
     b = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
-    # Before the PDL wait: the lengths, the page ids and the split's first BLOCK_N keys and values. None of them is
-    # written by the kernel just before this one (the page table by the step's upload, the keys by earlier steps
-    # and, this step, only the newest row, re-read below), so all of this split's DRAM reads at batch 1 (one tile per
-    # split) overlap the predecessor; through L2 (".cg"), never a stale L1 line (perfkit/kernels/pdl.py).
-    kv_len = tl.load(kv_lens_ptr + b, cache_modifier=".cg")
-    first = tl.load(indptr_ptr + b, cache_modifier=".cg")
+    kv_len = tl.load(kv_lens_ptr + b)
+    first = tl.load(indptr_ptr + b)
     lo = 0
     if window > 0:
         lo = tl.maximum(kv_len - window, 0)  # keys before lo are outside the window
     chunk = tl.cdiv(tl.cdiv(kv_len - lo, num_splits), BLOCK_N) * BLOCK_N
     start = lo + s * chunk
     end = tl.minimum(start + chunk, kv_len)
-    d = tl.arange(0, HEAD_DIM)
-    t = start + tl.arange(0, BLOCK_N)
-    tmask = t < end
-    kv = cache_ptr + _kv_rows(indices_ptr, first, t, tmask, g, stride_page, stride_tok, stride_head, PAGE_SIZE,
-                              ".cg")[:, None] + d[None, :]  # [BLOCK_N, D] the keys' addresses; values + stride_kv
-    k = tl.load(kv, mask=tmask[:, None], other=0, cache_modifier=".cg")
-    v = tl.load(kv + stride_kv, mask=tmask[:, None], other=0, cache_modifier=".cg")
-    pdl_enter(PDL)  # q and the newest key / value (kv position kv_len - 1) are the predecessor's (the qkv kernel's)
-    newest = (tmask & (t == kv_len - 1))[:, None]
-    k = tl.where(newest, tl.load(kv, mask=newest, other=0), k)
-    v = tl.where(newest, tl.load(kv + stride_kv, mask=newest, other=0), v)
 
     rows = tl.arange(0, BLOCK_H)
     heads = g * GROUP + rows
     hmask = rows < GROUP
+    d = tl.arange(0, HEAD_DIM)
     q = tl.load(
         q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0
     )  # [BLOCK_H, D]
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for t0 in range(start, end, BLOCK_N):  # k / v hold the tile at t0 (t, tmask); the next one loads at the end
-        kt, vt = k, v
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        tmask = t < end
+        page = tl.load(indices_ptr + first + t // PAGE_SIZE, mask=tmask, other=0).to(tl.int64)
+        row = page * stride_page + (t % PAGE_SIZE) * stride_tok + g * stride_head  # [BLOCK_N]
+        k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=tmask[:, None], other=0)
+        v = tl.load(cache_ptr + stride_kv + row[:, None] + d[None, :], mask=tmask[:, None], other=0)
         if FP8:  # e4m3 -> the query's dtype is exact (bf16 / fp16 hold every e4m3 value)
-            kt = kt.to(tl.float8e4nv, bitcast=True)
-            vt = vt.to(tl.float8e4nv, bitcast=True)
-        kt = kt.to(q.dtype)
-        vt = vt.to(q.dtype)
+            k = k.to(tl.float8e4nv, bitcast=True)
+            v = v.to(tl.float8e4nv, bitcast=True)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
         if UPCAST:
-            sc = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
+            sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
-            sc = tl.dot(q, tl.trans(kt))
+            sc = tl.dot(q, tl.trans(k))
         sc = sc * qk_scale  # [BLOCK_H, BLOCK_N] fp32
         sc = tl.where(tmask[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
@@ -143,17 +125,11 @@ def _paged_decode_kernel(
         p = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if UPCAST:  # p rounded to q's dtype as on the GPU, then multiplied exactly
-            pv = tl.dot(p.to(q.dtype).to(tl.float32), vt.to(tl.float32), input_precision="ieee")
+            pv = tl.dot(p.to(q.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.dot(p.to(q.dtype), vt)
+            pv = tl.dot(p.to(q.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-        t = t0 + BLOCK_N + tl.arange(0, BLOCK_N)  # the next tile (all masked after the last)
-        tmask = t < end
-        kv = cache_ptr + _kv_rows(indices_ptr, first, t, tmask, g, stride_page, stride_tok, stride_head, PAGE_SIZE,
-                                  "")[:, None] + d[None, :]  # fmt: skip
-        k = tl.load(kv, mask=tmask[:, None], other=0)
-        v = tl.load(kv + stride_kv, mask=tmask[:, None], other=0)
 
     if DIRECT:  # one split: it always holds key kv_len - 1, so l_i > 0
         o = acc / l_i[:, None] * v_scale
