@@ -125,7 +125,7 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "separate",
         "MoE layers at batch 1 with decode_fusion on: the routing (softmax, top-k) as its own kernel (separate), or "
         "as one more program of the dense MLP's down gemv launch, which does not depend on it (fused; where the down "
-        "product is the GLU gemv); the routing weights agree to fp32 rounding (the softmax sums in another order), "
+        "product is a gemv); the routing weights agree to fp32 rounding (the softmax sums in another order), "
         "the expert ids and tokens matched in every test; no effect on dense models",
     ),
     "attention": (

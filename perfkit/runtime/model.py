@@ -297,9 +297,9 @@ class Gemma4MLP(nn.Module):
         """The MLP on the fused path -> (mlp(x) [T, H], side[1](side[0]) or None). side: (x2 [T, H], a linear of
         the same in_features): a product of another input that rides in the gate_up launch when both are
         one-row gemvs (the 26B-A4B router; see `_paired`), else runs as its own `linear`. route: (top_k,
-        per_expert_scale) when side is a MoE router: where the down product is the GLU gemv, one more program of its
-        launch routes the router's logits (`gemv_routed`) and the side result is (weights fp32 [T, k], ids int32
-        [T, k]).
+        per_expert_scale) when side is a MoE router: where the down product is a gemv (GLU or plain), one more
+        program of its launch routes the router's logits (`gemv_routed`) and the side result is (weights fp32
+        [T, k], ids int32 [T, k]).
 
         decode_fusion: the down product takes the gate_up output itself (gemv glu=True: GeGLU on load, no
         gelu_mul launch) when it is one row and `glu_tiles` has a tile for its shape (decode_gemv=auto: where that
@@ -316,13 +316,15 @@ class Gemma4MLP(nn.Module):
             gu = linear(x, self.gate_up, t, p)
             s = None if side is None else linear(side[0], side[1], t, p)
         w_down = _plain_weight(self.down_proj) if self.decode_fusion else None
-        tile = _gemv_tile(gu, w_down, self.glu_tiles)
-        if tile is not None and route is not None and s is not None:
-            y, rw, ridx = K.gemv_routed(gu, w_down, s, *route, tile, glu=True)
+        glu = _gemv_tile(gu, w_down, self.glu_tiles)  # GeGLU inside the down gemv
+        h = gu if glu is not None else K.gelu_mul_cat(gu)  # gelu_mul reads the two strided halves
+        tile = glu if glu is not None else _gemv_tile(h, w_down, t)
+        if tile is not None and route is not None and s is not None:  # the routing rides in the down gemv's launch
+            y, rw, ridx = K.gemv_routed(h, w_down, s, *route, tile, glu=glu is not None)
             return y, (rw, ridx)
-        if tile is not None:
-            return K.gemv(gu, w_down, tile, glu=True), s
-        return linear(K.gelu_mul_cat(gu), self.down_proj, t, p), s  # gelu_mul reads the two strided halves
+        if glu is not None:
+            return K.gemv(gu, w_down, glu, glu=True), s
+        return linear(h, self.down_proj, t, p), s
 
     def _paired(self, x: Tensor, w: Tensor, side: tuple[Tensor, nn.Module] | None) -> tuple[Tensor, object] | None:
         """(side weight, gate_up's gemv tile) when decode_fusion is on and gate_up and the side product are both
