@@ -178,7 +178,7 @@ def test_toggle_config_and_engine_tokens():
     assert TOGGLES["decode_fusion"] == ("on", "off") and TOGGLES["decode_routing"] == ("separate", "fused")
     assert Toggles().decode_fusion == "on" and Toggles(decode_fusion=False).decode_fusion == "off"  # YAML's off
     assert PartialToggles(decode_fusion=True).decode_fusion == "on"
-    assert Toggles().decode_routing == "separate" and PartialToggles(decode_routing="fused").decode_routing == "fused"
+    assert Toggles().decode_routing == "fused" and PartialToggles(decode_routing="separate").decode_routing == "separate"
     cfg = get_preset("tiny-moe")
     model = build_model(cfg, "cpu", torch.float32, seed=0)
     kw = dict(attention="torch", page_size=4, max_batch_size=4, max_num_tokens=16, num_kv_pages=200,
