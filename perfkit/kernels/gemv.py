@@ -294,8 +294,9 @@ def gemv_routed(
     Why: at batch-1 decode the 26B-A4B routing kernel is a launch of its own on the step's critical path (~3.4 us
     per MoE layer, 101 us per step: docs/h200-runs/2026-12-07/1-profile_26b_c1.json) for a few hundred ns of work.
     In the launch of the dense MLP's down product, which does not depend on the routing and runs ~5.7 us, it is off
-    the critical path: the experts' gate_up kernel, next, waits for both. (12-08's form, the routing in the
-    router's own launch after an atomic count of its programs, was serial with the product and tied: 12-09 call 1.)"""
+    the critical path: the experts' gate_up kernel, next, waits for both. On the H200 (docs/h200-runs/2026-12-09/,
+    call 3): 26B-A4B c1 TPOT 2.998 -> 2.921 ms. (12-08's form, the routing in the router's own launch after an
+    atomic count of its programs, was serial with the product and tied: 12-09 call 1.)"""
     K = w.shape[1] if w.dim() == 2 else -1
     _check_operands(x, w, 2 * K if glu else K)
     E = logits.shape[-1]
