@@ -88,7 +88,7 @@ def probe_shape(name: str, N: int, K: int, cfg) -> None:
             row = {"shape": name, "N": N, "K": K, "tile": cfg.label, "spin": spin, "arm": arm}
             try:
 
-                def link(i, frac=frac, chunk=chunk, lanes=lanes):
+                def link(i, frac=frac, chunk=chunk, lanes=lanes, spin=spin):
                     norm_pf(h, nw, xs[i], spin, ws[i] if frac else None, frac, chunk, lanes)
                     gv.gemv(xs[i], ws[i], cfg, out=outs[i], pdl=True)
 
@@ -100,7 +100,7 @@ def probe_shape(name: str, N: int, K: int, cfg) -> None:
                 row["equal_to_plain"] = bool(torch.equal(got, ref))
                 if arm == "plain":  # the short kernel alone, for the window it holds
                     row["short_alone_us"] = round(graph_sequence_us(
-                        lambda i: norm_pf(h, nw, xs[i], spin, None, 0.0, chunk, lanes), list(range(CHAIN_LEN)),
+                        lambda i, spin=spin: norm_pf(h, nw, xs[i], spin, None, 0.0, 65536, 8), list(range(CHAIN_LEN)),
                         CHAIN_LEN, 15), 2)  # fmt: skip
             except Exception as exc:  # a variant that does not compile or launch here
                 row["error"] = f"{type(exc).__name__}: {exc}"[:400]
