@@ -19,10 +19,9 @@ writes are visible (``griddepcontrol.wait``), then lets the kernel after it laun
 this correct: **every program of a PDL kernel runs pdl_enter on every path**, including programs with nothing to
 do; a program that exits without waiting would let a later kernel run before an earlier one has finished.
 
-A later wait (an ``EARLY`` constexpr, ``moe._moe_gather_gate_up_kernel``): where the caller guarantees that no
-input comes from the launch just before, the kernel reads everything first and waits only before its first store.
-That is sound because a kernel can launch only once every program of the one before it has passed its own wait:
-by then every earlier kernel has finished and its writes are in L2 (the early reads bypass L1, ".cg").
+Reading before the wait what the launch just before did not write (12-08's gather kernel computing everything
+first, 12-09's decode kernel reading its page table and keys first) made no measurable difference in the engine and
+was removed: the wait is at the top of every kernel.
 
 Kernels launched without the attribute (cuBLAS, FlashInfer, torch) wait for their predecessor as always, and a PDL
 kernel after one of them starts once it has finished: mixing is safe. Waiting is transitive: a kernel that passed
