@@ -129,6 +129,15 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "the expert ids and tokens matched in every test; no effect on dense models; fused by default since 12-09 "
         "(26B-A4B c1 TPOT 2.998 -> 2.921 ms on the H200)",
     ),
+    "decode_prologue": (
+        ("separate", "fused"),
+        "separate",
+        "decode-only steps on the Triton decode attention with fused_kernels on: q/k norm + RoPE, v_norm and the "
+        "newest K / V row's cache write in their own launch (separate), or inside the decode kernel, whose programs "
+        "norm and rope their own query heads and use the newest row from registers (fused); the same fp32 "
+        "arithmetic and roundings, bit for bit under the interpreter; no effect on mixed steps, on FlashInfer's "
+        "decode or with attention=torch",
+    ),
     "attention": (
         ("auto", "flashinfer", "torch"),
         "auto",
@@ -170,6 +179,7 @@ class Toggles(BaseModel):
     pdl: Literal["auto", "on", "off"] = "auto"
     decode_fusion: Literal["on", "off"] = "on"
     decode_routing: Literal["separate", "fused"] = "fused"
+    decode_prologue: Literal["separate", "fused"] = "separate"
     attention: Literal["auto", "flashinfer", "torch"] = "auto"
 
     @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", "pdl", "decode_fusion",
@@ -198,6 +208,7 @@ class PartialToggles(BaseModel):
     pdl: Literal["auto", "on", "off"] | None = None
     decode_fusion: Literal["on", "off"] | None = None
     decode_routing: Literal["separate", "fused"] | None = None
+    decode_prologue: Literal["separate", "fused"] | None = None
     attention: Literal["auto", "flashinfer", "torch"] | None = None
 
     @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", "pdl", "decode_fusion",

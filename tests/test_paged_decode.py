@@ -14,11 +14,14 @@ import torch
 
 from perfkit.kernels.fp8 import FP8_DTYPE
 from perfkit.kernels.paged_decode import (
+    DecodePrologue,
     paged_decode_attention,
     paged_decode_attention_ref,
+    paged_decode_prologue_ref,
     paged_decode_traffic,
     pick_splits,
 )
+from perfkit.kernels.qk_norm_rope import qk_norm_rope, qkv_norm_rope_split
 
 
 def make_case(kv_lens, num_heads, kv_heads, head_dim, page_size, dtype=torch.bfloat16, fp8=False, seed=0,
@@ -138,6 +141,131 @@ def test_traffic_counts_the_visible_keys_once():
     assert s["split_bytes"] == 2 * 8 * (4 + 1 * 64) * 4 and s["total_bytes"] == s["min_bytes"] + s["split_bytes"]
     f = paged_decode_traffic([1024], 32, 4, 512, num_splits=64)  # 31B full pool at batch 1: 32 live slices of 32
     assert f["split_bytes"] == 2 * 32 * (64 + 32 * 512) * 4
+
+
+def prologue_case(lens, heads, kvh, hd, ps, kind="kv", fp8=False, dtype=torch.bfloat16, seed=0, device="cpu"):
+    """`make_case` plus one step's raw projections (views of one merged qkv row, as the model passes them), norm
+    weights, RoPE tables at each row's newest position and the slots of that position in the row's pages.
+    kind: "kv" (k and v projections), "k=v" (no v projection) or "q" (a KV-shared layer: q only)."""
+    _, cache, ind, ptr, kl = make_case(lens, heads, kvh, hd, ps, dtype=dtype, fp8=fp8, seed=seed, device=device)
+    g = torch.Generator().manual_seed(seed + 1)
+    B = len(lens)
+    width = (heads + kvh * (1 if kind == "k=v" else 2)) * hd
+    qkv = (torch.randn(B, width, generator=g) * 3).to(dtype).to(device)
+    q_raw = qkv[:, : heads * hd].view(B, heads, hd)
+    k_raw = qkv[:, heads * hd : (heads + kvh) * hd].view(B, kvh, hd)
+    v_raw = None if kind == "k=v" else qkv[:, (heads + kvh) * hd :].view(B, kvh, hd)
+    inv_freq = 1.0 / (10000 ** (torch.arange(hd // 2).float() / (hd // 2)))
+    ang = torch.tensor([n - 1.0 for n in lens])[:, None] * inv_freq[None]
+    pages = [int(ind[ptr[b] + (n - 1) // ps]) for b, n in enumerate(lens)]
+    slots = [torch.tensor(x, device=device) for x in (pages, [(n - 1) % ps for n in lens])]
+    w = [(torch.randn(hd, generator=g) * 0.5 + 1).to(dtype).to(device) for _ in range(2)]
+    pro = DecodePrologue(w[0], ang.cos().to(dtype).to(device), ang.sin().to(dtype).to(device), 1e-6,
+                         None if kind == "q" else k_raw, v_raw, w[1], *slots)  # fmt: skip
+    return q_raw, cache, ind, ptr, kl, pro
+
+
+def separate_path(q_raw, cache, ind, ptr, kl, pro, **kw):
+    """What the prologue replaces: the qkv_norm_rope launch (q; the new K / V rows into `cache`), then the kernel."""
+    if pro.k_raw is None:
+        q = qk_norm_rope(q_raw, pro.q_weight, pro.cos, pro.sin, pro.eps)
+    else:
+        target = (cache, pro.slot_page, pro.slot_offset, kw.get("k_scale", 1.0), kw.get("v_scale", 1.0))
+        q = qkv_norm_rope_split(q_raw, pro.k_raw, pro.v_raw, pro.q_weight, pro.k_weight, pro.cos, pro.sin, pro.eps,
+                                target)[0]  # fmt: skip
+    return paged_decode_attention(q, cache, ind, ptr, kl, **kw)
+
+
+PROLOGUE_CASES = [  # kv_lens, heads, kv heads, head_dim, page size, window, splits, kind, fp8
+    ([1, 37, 100], 4, 2, 64, 16, None, 1, "kv", False),  # one split: the direct store; a row of one key
+    ([1, 37, 100], 4, 2, 64, 16, None, 4, "kv", False),  # the newest row in the last live slice only
+    ([5, 200], 16, 2, 128, 16, 40, 3, "kv", True),  # fp8 cache: the new row quantised as write_kv
+    ([3, 70], 8, 8, 64, 8, 24, 7, "k=v", False),  # K=V: v = v_norm(k_raw); empty slices
+    ([33, 16, 17], 6, 2, 32, 16, None, 64, "q", False),  # KV-shared layer: q only, the newest row read
+    ([47, 32], 4, 1, 64, 64, None, 2, "k=v", True),  # a page spanning several BLOCK_N steps; K=V fp8
+]
+
+
+@pytest.mark.parametrize("lens,heads,kvh,hd,ps,window,splits,kind,fp8", PROLOGUE_CASES)
+def test_prologue_is_the_separate_path_bit_for_bit(lens, heads, kvh, hd, ps, window, splits, kind, fp8):
+    """The kernel with the q/k norm + RoPE prologue against the qkv_norm_rope launch + the kernel: equal outputs and
+    equal cache bytes, with the new rows' slots holding NaN before the fused launch (so it must not read them: the
+    newest row comes from registers). And both near the fp32 references (which round q, k to bf16 between the norm
+    and RoPE, as the unfused model does, hence the looser tolerance)."""
+    q_raw, cache, ind, ptr, kl, pro = prologue_case(lens, heads, kvh, hd, ps, kind, fp8, seed=len(lens) + splits)
+    kw = dict(window=window, k_scale=0.02 if fp8 else 1.0, v_scale=0.03 if fp8 else 1.0)
+    sep_cache, ref_cache = cache.clone(), cache.clone()
+    sep = separate_path(q_raw, sep_cache, ind, ptr, kl, pro, num_splits=splits, **kw)
+    if kind != "q":
+        nan = torch.tensor(float("nan"), dtype=torch.float32).to(cache.dtype)
+        cache[:, :][pro.slot_page, :, pro.slot_offset] = nan  # K and V planes of every new row
+    out = torch.full_like(sep, float("nan"))
+    paged_decode_attention(q_raw, cache, ind, ptr, kl, num_splits=splits, out=out, prologue=pro, **kw)
+    assert torch.equal(out, sep)
+    assert torch.equal(cache.view(torch.uint8), sep_cache.view(torch.uint8))
+    ref = paged_decode_prologue_ref(q_raw, ref_cache, ind, ptr, kl, pro, **kw)
+    assert_close_to_ref(out, ref, tol=5e-2)
+
+
+def test_prologue_rejects_mismatched_inputs():
+    q_raw, cache, ind, ptr, kl, pro = prologue_case([4, 9], 4, 2, 64, 16)
+    with pytest.raises(ValueError, match="cos / sin"):
+        paged_decode_attention(q_raw, cache, ind, ptr, kl, prologue=pro._replace(cos=pro.cos[:1]))
+    with pytest.raises(ValueError, match="k_raw must be"):
+        paged_decode_attention(q_raw, cache, ind, ptr, kl, prologue=pro._replace(k_raw=pro.k_raw[:, :1]))
+    with pytest.raises(ValueError, match="needs k_weight"):
+        paged_decode_attention(q_raw, cache, ind, ptr, kl, prologue=pro._replace(slot_page=None))
+    with pytest.raises(ValueError, match="slot_page"):
+        paged_decode_attention(q_raw, cache, ind, ptr, kl, prologue=pro._replace(slot_offset=pro.slot_offset[:1]))
+
+
+def test_prologue_traffic_moves_the_new_rows_once():
+    base = paged_decode_traffic([100, 7], 8, 2, 64)
+    q = paged_decode_traffic([100, 7], 8, 2, 64, prologue="q")
+    kv = paged_decode_traffic([100, 7], 8, 2, 64, prologue="kv")
+    kev = paged_decode_traffic([100, 7], 8, 2, 64, prologue="k=v", kv_bytes=1)
+    assert q["prologue_bytes"] == 64 * 2 + 2 * 64 * 2 and q["saved_bytes"] == 2 * 2 * 8 * 64 * 2
+    assert q["total_bytes"] == base["total_bytes"] + q["prologue_bytes"] and base["prologue_bytes"] == 0
+    rows = 2 * 2 * 64  # B x kvh x D
+    assert kv["prologue_bytes"] == q["prologue_bytes"] + 2 * rows * 2 + 64 * 2 + 16 * 2
+    assert kv["saved_bytes"] == q["saved_bytes"] + 2 * rows * 2
+    assert kev["prologue_bytes"] == q["prologue_bytes"] + rows * 2 + 64 * 2 + 16 * 2
+    assert kev["saved_bytes"] == q["saved_bytes"] + 2 * rows * 1
+    with pytest.raises(ValueError, match="prologue"):
+        paged_decode_traffic([1], 8, 2, 64, prologue="k")
+
+
+def test_backend_attend_raw_folds_only_decode_only_triton_steps():
+    """FlashInferBackend.attend_raw (needs no flashinfer itself) on a stand-in backend: a decode-only step on a
+    Triton plan gives the separate path's output and cache bytes; the toggle off, a prefill row in the step or
+    FlashInfer's decode give None (the model then launches qkv_norm_rope)."""
+    import types
+
+    import perfkit.runtime.attention.flashinfer as F
+    from perfkit.runtime.attention.base import AttnLayer
+
+    lens = [20, 45, 3]
+    q_raw, cache, ind, ptr, kl, pro = prologue_case(lens, 8, 2, 64, 16, seed=4)
+    sep_cache = cache.clone()
+    sep = separate_path(q_raw, sep_cache, ind, ptr, kl, pro, window=32, num_splits=3)
+    layer = AttnLayer(index=0, is_sliding=True, head_dim=64, num_heads=8, num_kv_heads=2, window=32, cache_layer=0,
+                      writes_kv=True, bidirectional_vision=False)  # fmt: skip
+    pt = types.SimpleNamespace(slot_page=pro.slot_page, slot_offset=pro.slot_offset)
+    kv = types.SimpleNamespace(pool_of=lambda i: "sliding", layer_cache=lambda i: cache,
+                               layer_scales=lambda i: (1.0, 1.0), is_fp8=False)  # fmt: skip
+    plan = F.TritonDecodePlan(ind, ptr, kl, 3, 32)
+
+    def attend_raw(on=True, batch=3, dec=plan):
+        meta = types.SimpleNamespace(num_decodes=3, batch_size=batch, pools={"sliding": pt})
+        backend = types.SimpleNamespace(decode_prologue=on, meta=meta, q_dtype=torch.bfloat16, kv=kv, pdl=False,
+                                        _active={"sliding": (dec, None)})  # fmt: skip
+        return F.FlashInferBackend.attend_raw(backend, layer, q_raw, pro.k_raw, pro.v_raw, pro.q_weight,
+                                              pro.k_weight, pro.cos, pro.sin, pro.eps)  # fmt: skip
+
+    assert attend_raw(on=False) is None and attend_raw(batch=4) is None and attend_raw(dec=object()) is None
+    assert not torch.equal(cache, sep_cache)  # the None cases wrote nothing
+    assert torch.equal(attend_raw(), sep)
+    assert torch.equal(cache, sep_cache)
 
 
 def test_backend_triton_plan_stages_aligned_lengths_without_growing(monkeypatch):
@@ -291,3 +419,99 @@ def test_gpu_toggle_switches_the_captured_graphs():
         outs[kernel] = [got[r] for r in rids]
         e.bm.check_no_leaks()
     assert outs["auto"] == outs["triton"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("pool,kind", [("31b-sliding", "kv"), ("31b-full", "k=v"), ("26b-sliding", "kv"),
+                                       ("26b-full", "k=v"), ("31b-sliding", "q")])  # fmt: skip
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_prologue_matches_the_separate_path(pool, kind, fp8):
+    """Real pool shapes, batch 1 / 3 / 16, the engine's split counts: the prologue against the qkv_norm_rope launch
+    + the kernel. The compiler may contract the two RoPE products differently in the two kernels (an fp32 ulp), so
+    a q / k element may round to the neighbouring bf16 (or e4m3) value: the outputs are held to the kernel's own
+    tolerance against each other, the cache bytes to a few differing codes, and the counts are printed."""
+    heads, kvh, hd, window = REAL[pool]
+    rng = random.Random(hd + kvh)
+    for bs in (1, 3, 16):
+        lens = [rng.randint(1, 2100) for _ in range(bs)]
+        q_raw, cache, ind, ptr, kl, pro = prologue_case(lens, heads, kvh, hd, 16, kind, fp8, seed=bs, device="cuda")
+        kw = dict(window=window, k_scale=0.02 if fp8 else 1.0, v_scale=0.03 if fp8 else 1.0,
+                  num_splits=pick_splits(bs, kvh, 132, window))  # fmt: skip
+        sep_cache = cache.clone()
+        sep = separate_path(q_raw, sep_cache, ind, ptr, kl, pro, **kw)
+        out = paged_decode_attention(q_raw, cache, ind, ptr, kl, prologue=pro, **kw)
+        bytes_off = (cache.view(torch.uint8) != sep_cache.view(torch.uint8)).sum().item()
+        print(pool, kind, fp8, bs, "max |out - sep|", (out.float() - sep.float()).abs().max().item(),
+              "cache bytes off", bytes_off)  # fmt: skip
+        assert_close_to_ref(out, sep, tol=2e-3)
+        assert bytes_off <= 2 * bs * kvh * hd // 100  # at most 1 % of the new rows' bytes
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_prologue_graph_replay_uses_the_new_slots_and_tables():
+    """A captured prologue launch replayed after the raw projections, tables, lengths and slots change in place:
+    the replay writes the new rows where the new slots point and equals the separate path on the new inputs."""
+    heads, kvh, hd, window = REAL["31b-sliding"]
+    q_raw, cache, ind, ptr, kl, pro = prologue_case([700, 1500], heads, kvh, hd, 16, seed=2, device="cuda")
+    kw = dict(window=window, num_splits=pick_splits(2, kvh, 132, window))
+    out = torch.empty(2, heads, hd, dtype=q_raw.dtype, device="cuda")
+
+    def run():
+        paged_decode_attention(q_raw, cache, ind, ptr, kl, out=out, prologue=pro, **kw)
+
+    run()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    kl.copy_(torch.tensor([650, 30], dtype=torch.int32))  # within each row's pages
+    pro.slot_page.copy_(torch.stack([ind[ptr[0] + 649 // 16], ind[ptr[1] + 29 // 16]]).long())
+    pro.slot_offset.copy_(torch.tensor([649 % 16, 29 % 16]))
+    q_raw.copy_(torch.randn_like(q_raw.float()).to(q_raw.dtype))
+    sep_cache = cache.clone()
+    g.replay()
+    torch.cuda.synchronize()
+    sep = separate_path(q_raw, sep_cache, ind, ptr, kl, pro, **kw)
+    assert_close_to_ref(out, sep, tol=2e-3)
+    assert (cache.view(torch.uint8) != sep_cache.view(torch.uint8)).sum().item() <= 2 * kvh * hd // 50
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("preset,kv_dtype", [("31b", "auto"), ("31b", "fp8"), ("26b-a4b", "auto"),
+                                             ("tiny-e4b", "auto")])  # fmt: skip
+def test_gpu_engine_tokens_identical_with_decode_prologue(preset, kv_dtype):
+    """Real widths with 2 layers (tiny-e4b: KV-shared layers, at the real head dims), FlashInfer + CUDA graphs +
+    the fused path, the Triton decode (max_batch_size 8: every decode-only step, padded graph rows included), PDL
+    where available, staggered lengths (mixed steps keep the separate launch): decode_prologue fused gives the
+    separate arm's tokens, and so does switching it on a live engine (its graphs captured again)."""
+    pytest.importorskip("flashinfer")
+    from perfkit.kernels.pdl import pdl_available
+    from perfkit.runtime.engine import Engine, EngineConfig
+    from perfkit.runtime.model_config import get_preset
+    from perfkit.runtime.weights import build_model
+
+    if preset == "tiny-e4b":
+        cfg = get_preset(preset).replace(name="tiny-e4b-fi", head_dim=256, global_head_dim=512, sliding_window=16)
+    else:
+        cfg = get_preset(preset, num_layers=2)
+    model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
+    rng = random.Random(31)
+    reqs = [[rng.randint(3, min(cfg.vocab_size, 250_000) - 1) for _ in range(rng.randint(1, 200))] for _ in range(12)]
+    kw = dict(attention="flashinfer", cuda_graphs=True, page_size=16, max_batch_size=8, max_num_tokens=512,
+              num_kv_pages=2000, max_model_len=1024, mask="triton", fused_kernels=True, decode_attention="triton",
+              kv_dtype=kv_dtype, pdl=pdl_available(torch.device("cuda")))  # fmt: skip
+
+    def run(e):
+        rids = [e.add_request(p, max_new_tokens=8 + (i % 5) * 6) for i, p in enumerate(reqs)]
+        got = e.generate_all()
+        e.bm.check_no_leaks()
+        return [got[r] for r in rids]
+
+    outs = [run(Engine(model, cfg, EngineConfig(**kw, decode_prologue=f))) for f in (False, True)]
+    live = Engine(model, cfg, EngineConfig(**kw))
+    live.set_toggle("decode_prologue", "fused")
+    assert live.toggles()["decode_prologue"] == "fused" and live.runner.backend.decode_prologue
+    outs.append(run(live))
+    assert outs[0] == outs[1] == outs[2]

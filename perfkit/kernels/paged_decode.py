@@ -31,20 +31,59 @@ and two merges (column blocks / whole heads).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from perfkit.kernels.fp8 import FP8_DTYPE
+from perfkit.kernels.fp8 import FP8_DTYPE, fp8_inv_scale
 from perfkit.kernels.launch import interpreting
 from perfkit.kernels.pdl import pdl_enter, pdl_launch
+from perfkit.kernels.qk_norm_rope import _E4M3_MAX, _round_e4m3
 
 LOG2E = 1.4426950408889634
 
 # --------------------------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _norm_rope(src, rows, rmask, d, w_ptr, cos_row, sin_row, eps, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr):
+    """Head rows ``src + rows[r] + d`` ([R, D], d contiguous) -> fp32 [R, D]: ``x / rms(x)`` (v_norm), or with ROPE
+    ``rope(x / rms(x) * w)`` (q_norm / k_norm, then rotate-half with the token's tables ``cos_row`` / ``sin_row``
+    [D/2]). Why not halves as in qk_norm_rope: the attention dots need the head as one [R, D] tile, so the
+    rotate-half partner of lane d (d +- D/2) is loaded a second time (from L1) instead of concatenating halves."""
+    half: tl.constexpr = HEAD_DIM // 2
+    x = tl.load(src + rows[:, None] + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+    if not ROPE:
+        return x * rstd
+    dp = (d + half) % HEAD_DIM
+    xp = tl.load(src + rows[:, None] + dp[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    y = x * rstd * tl.load(w_ptr + d).to(tl.float32)[None, :]
+    yp = xp * rstd * tl.load(w_ptr + dp).to(tl.float32)[None, :]
+    c = tl.load(cos_row + d % half).to(tl.float32)[None, :]
+    s = tl.load(sin_row + d % half).to(tl.float32)[None, :]
+    return y * c + tl.where((d < half)[None, :], -yp, yp) * s  # o1 = y1 c - y2 s, o2 = y2 c + y1 s
+
+
+@triton.jit
+def _as_cached(x, inv_scale, FP8: tl.constexpr):
+    """A new K / V row in the activation dtype -> what reading it back from the cache gives before the query's
+    dtype: itself, or (FP8) ``write_kv``'s ``clamp(x * inv_scale)`` rounded to e4m3, held exactly in fp32."""
+    if FP8:
+        return _round_e4m3(tl.clamp(x.to(tl.float32) * inv_scale, -_E4M3_MAX, _E4M3_MAX))
+    return x
+
+
+@triton.jit
+def _cache_bytes(x, cache_ptr, FP8: tl.constexpr):
+    """`_as_cached`'s value as the cache stores it (an fp8 cache is passed as its uint8 view; the cast is exact)."""
+    if FP8:
+        return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit(do_not_specialize=["num_splits", "window"])  # one compile per pool shape, whatever the batch
@@ -69,6 +108,23 @@ def _paged_decode_kernel(
     window,  # 0: no window
     qk_scale,  # k_scale * log2(e): scores in the log2 domain
     v_scale,
+    k_raw_ptr,  # NEW_KV: [B, KVH, D] raw k projection (strides stride_kb, stride_kh, 1)
+    v_raw_ptr,  # NEW_KV: [B, KVH, D] raw v projection (K=V layers: the raw k)
+    qw_ptr,  # PROLOGUE: [D] q_norm weight
+    kw_ptr,  # NEW_KV: [D] k_norm weight
+    cos_ptr,  # PROLOGUE: [B, D/2] (row stride stride_cb)
+    sin_ptr,  # PROLOGUE: [B, D/2] (row stride stride_sb)
+    slot_page_ptr,  # NEW_KV: int64 [B], the page of row b's newest K / V row (the step's slots)
+    slot_offset_ptr,  # NEW_KV: int64 [B], its offset inside that page
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
+    stride_cb,
+    stride_sb,
+    eps,
+    k_inv_scale,  # NEW_KV + FP8: 1 / the layer's K / V scales (fp8.fp8_inv_scale)
+    v_inv_scale,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -78,6 +134,8 @@ def _paged_decode_kernel(
     DIRECT: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter only: its bf16 tl.dot multiplies the raw uint16 bits, so dot in fp32
     PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
+    PROLOGUE: tl.constexpr = 0,  # q_ptr holds the raw q projection: q_norm + RoPE here (module docstring)
+    NEW_KV: tl.constexpr = 0,  # with PROLOGUE: the newest K / V row from the raw projections, written here
 ):
     pdl_enter(PDL)  # every program, before the lengths, the page ids, q and the cache (all written this step)
     b = tl.program_id(0)
@@ -96,9 +154,32 @@ def _paged_decode_kernel(
     heads = g * GROUP + rows
     hmask = rows < GROUP
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0
-    )  # [BLOCK_H, D]
+    q_rows = b.to(tl.int64) * stride_qb + heads * stride_qh  # [BLOCK_H]
+    if PROLOGUE:  # rope(q_norm(q_raw)) rounded to the activation dtype, as the separate kernel stores it
+        cos_row = cos_ptr + b.to(tl.int64) * stride_cb
+        sin_row = sin_ptr + b.to(tl.int64) * stride_sb
+        q = _norm_rope(q_ptr, q_rows, hmask, d, qw_ptr, cos_row, sin_row, eps, HEAD_DIM, True)
+        q = q.to(q_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=hmask[:, None], other=0.0)  # [BLOCK_H, D]
+    last = kv_len - 1  # the row's newest key
+    if NEW_KV:  # every program makes it (a few hundred bytes from L2); the one whose slice holds it writes it
+        one = tl.arange(0, 1)
+        live = one < 1
+        k_new = _norm_rope(k_raw_ptr, b.to(tl.int64) * stride_kb + g * stride_kh + one, live, d, kw_ptr,
+                           cos_row, sin_row, eps, HEAD_DIM, True)  # fmt: skip
+        v_new = _norm_rope(v_raw_ptr, b.to(tl.int64) * stride_vb + g * stride_vh + one, live, d, kw_ptr,
+                           cos_row, sin_row, eps, HEAD_DIM, False)  # fmt: skip
+        k_new = _as_cached(k_new.to(q.dtype), k_inv_scale, FP8)  # [1, D]: the value a read of the cache gives
+        v_new = _as_cached(v_new.to(q.dtype), v_inv_scale, FP8)
+        slot = tl.load(slot_page_ptr + b) * stride_page + tl.load(slot_offset_ptr + b) * stride_tok + g * stride_head
+        dst = cache_ptr + slot + one[:, None] * 0 + d[None, :]
+        # [1, D]: this program's slice holds it (a scalar AND-ed into a tensor mask fails in the interpreter)
+        mine = d[None, :] < HEAD_DIM * ((start <= last) & (last < end)).to(tl.int32)
+        tl.store(dst, _cache_bytes(k_new, cache_ptr, FP8), mask=mine)
+        tl.store(dst + stride_kv, _cache_bytes(v_new, cache_ptr, FP8), mask=mine)
+        k_new = k_new.to(q.dtype)
+        v_new = v_new.to(q.dtype)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -107,13 +188,21 @@ def _paged_decode_kernel(
         tmask = t < end
         page = tl.load(indices_ptr + first + t // PAGE_SIZE, mask=tmask, other=0).to(tl.int64)
         row = page * stride_page + (t % PAGE_SIZE) * stride_tok + g * stride_head  # [BLOCK_N]
-        k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=tmask[:, None], other=0)
-        v = tl.load(cache_ptr + stride_kv + row[:, None] + d[None, :], mask=tmask[:, None], other=0)
+        kv_mask = tmask
+        if NEW_KV:  # the newest row is not read: it comes from registers (being written this launch)
+            kv_mask = tmask & (t != last)
+        k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=kv_mask[:, None], other=0)
+        v = tl.load(cache_ptr + stride_kv + row[:, None] + d[None, :], mask=kv_mask[:, None], other=0)
         if FP8:  # e4m3 -> the query's dtype is exact (bf16 / fp16 hold every e4m3 value)
             k = k.to(tl.float8e4nv, bitcast=True)
             v = v.to(tl.float8e4nv, bitcast=True)
         k = k.to(q.dtype)
         v = v.to(q.dtype)
+        if NEW_KV:
+            if t0 + BLOCK_N > last:  # the block holding the newest row: only the last slice's last step
+                is_new = (t == last)[:, None]
+                k = tl.where(is_new, k_new, k)
+                v = tl.where(is_new, v_new, v)
         if UPCAST:
             sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -237,6 +326,50 @@ def _split_buffers(batch: int, heads: int, splits: int, head_dim: int, device) -
     return part, torch.empty(batch, heads, splits, dtype=torch.float32, device=device)
 
 
+class DecodePrologue(NamedTuple):
+    """What the decode kernel needs to make q, and the newest K / V row, from the raw projections itself
+    (:func:`paged_decode_attention`'s ``prologue``): the work of ``qkv_norm_rope_split`` at a decode-only step."""
+
+    q_weight: torch.Tensor  # [D] q_norm weight
+    cos: torch.Tensor  # [B, D/2] at each row's position (one token per row)
+    sin: torch.Tensor  # [B, D/2]
+    eps: float
+    k_raw: torch.Tensor | None = None  # [B, KVH, D]; None: a KV-shared layer (its newest row is in the cache)
+    v_raw: torch.Tensor | None = None  # [B, KVH, D]; None with k_raw given: a K=V layer, v = v_norm(k_raw)
+    k_weight: torch.Tensor | None = None  # [D] k_norm weight (with k_raw)
+    slot_page: torch.Tensor | None = None  # int64 [B]: where row b's newest K / V row goes (with k_raw)
+    slot_offset: torch.Tensor | None = None  # int64 [B]
+
+
+def _prologue_args(pro: DecodePrologue | None, q: torch.Tensor, kvh: int, fp8: bool, k_scale: float,
+                   v_scale: float) -> tuple[list, bool]:  # fmt: skip
+    """The kernel's prologue arguments (dummies without one) and whether it writes a new K / V row."""
+    if pro is None:
+        return [q] * 8 + [0] * 6 + [0.0, 1.0, 1.0], False
+    B, _, D = q.shape
+    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (pro.cos, pro.sin))
+    if cos.shape != (B, D // 2) or sin.shape != (B, D // 2):
+        raise ValueError(f"cos / sin must be [B, D/2] = {(B, D // 2)}, got {tuple(cos.shape)} / {tuple(sin.shape)}")
+    if pro.k_raw is None:
+        return [q, q, pro.q_weight, q, cos, sin, q, q, 0, 0, 0, 0, cos.stride(0), sin.stride(0), float(pro.eps),
+                1.0, 1.0], False  # fmt: skip
+    k_raw = pro.k_raw
+    v_raw = k_raw if pro.v_raw is None else pro.v_raw
+    for name, t in (("k_raw", k_raw), ("v_raw", v_raw)):
+        if t.shape != (B, kvh, D) or t.stride(-1) != 1 or t.dtype != q.dtype:
+            raise ValueError(f"{name} must be [B, kvh, D] = {(B, kvh, D)} of q's dtype with contiguous rows, got "
+                             f"{tuple(t.shape)} {t.dtype} strides {t.stride()}")  # fmt: skip
+    if pro.k_weight is None or pro.slot_page is None or pro.slot_offset is None:
+        raise ValueError("a prologue with k_raw needs k_weight, slot_page and slot_offset")
+    if pro.slot_page.shape != (B,) or pro.slot_offset.shape != (B,):
+        raise ValueError(f"slot_page / slot_offset must be [B] = [{B}], got {tuple(pro.slot_page.shape)} / "
+                         f"{tuple(pro.slot_offset.shape)}")  # fmt: skip
+    inv = (fp8_inv_scale(k_scale), fp8_inv_scale(v_scale)) if fp8 else (1.0, 1.0)
+    return [k_raw, v_raw, pro.q_weight, pro.k_weight, cos, sin, pro.slot_page, pro.slot_offset,
+            k_raw.stride(0), k_raw.stride(1), v_raw.stride(0), v_raw.stride(1), cos.stride(0), sin.stride(0),
+            float(pro.eps), *inv], True  # fmt: skip
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -253,11 +386,17 @@ def paged_decode_attention(
     num_warps: int = DECODE_NUM_WARPS,
     num_stages: int = DECODE_NUM_STAGES,
     pdl: bool = False,
+    prologue: DecodePrologue | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per row over its paged keys; q [B, H, D] (bf16 / fp16), cache
     [P, 2, page_size, KVH, D] (q's dtype or float8_e4m3fn), indices / indptr / kv_lens device int32 (see the
     module docstring). Returns ``out`` [B, H, D] (q's dtype; written in place when given). pdl: both kernels
-    launch with programmatic dependent launch (perfkit/kernels/pdl.py; sm_90+ only)."""
+    launch with programmatic dependent launch (perfkit/kernels/pdl.py; sm_90+ only).
+
+    prologue: q is the raw q projection (row-strided views allowed), normed and roped here; with
+    ``prologue.k_raw`` the kernel also makes the newest K / V row of every row and writes it into the cache at the
+    prologue's slots (an fp8 cache quantised with k_scale / v_scale as ``write_kv`` does), using it from registers
+    (module docstring, "Prologue")."""
     B, H, D = q.shape
     P, two, page_size, kvh, Dc = cache.shape
     if two != 2 or Dc != D or H % kvh:
@@ -281,13 +420,15 @@ def paged_decode_attention(
     else:
         part, lse = _split_buffers(B, H, num_splits, D, q.device)
     c = cache.view(torch.uint8) if fp8 else cache
+    pro_args, new_kv = _prologue_args(prologue, q, kvh, fp8, k_scale, v_scale)
     _paged_decode_kernel[(B, kvh, num_splits)](
         q, c, indices, indptr, kv_lens, out, part, lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         c.stride(0), c.stride(1), c.stride(2), c.stride(3),
-        num_splits, window or 0, float(k_scale) * LOG2E, float(v_scale),
+        num_splits, window or 0, float(k_scale) * LOG2E, float(v_scale), *pro_args,
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_N=block_n, FP8=fp8, DIRECT=direct,
-        UPCAST=interpreting(), num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
+        UPCAST=interpreting(), PROLOGUE=int(prologue is not None), NEW_KV=int(new_kv), num_warps=num_warps,
+        num_stages=num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     if not direct:
         block_d = min(D, MERGE_BLOCK_D) if B * H <= MERGE_COLUMN_SPLIT_MAX_ROWS else D
@@ -334,20 +475,65 @@ def paged_decode_attention_ref(
     return out
 
 
+def paged_decode_prologue_ref(
+    q_raw: torch.Tensor,
+    cache: torch.Tensor,
+    indices: torch.Tensor,
+    indptr: torch.Tensor,
+    kv_lens: torch.Tensor,
+    prologue: DecodePrologue,
+    *,
+    window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """The separate path the prologue replaces: q, k, v by qk_norm_rope's references (rounded to q_raw's dtype), the
+    new K / V rows written into ``cache`` at the slots (``write_kv``'s rule), then
+    :func:`paged_decode_attention_ref`."""
+    from perfkit.kernels.qk_norm_rope import KVCacheTarget, head_norm_ref, qk_norm_rope_ref, write_kv_ref
+
+    pro = prologue
+    q = qk_norm_rope_ref(q_raw, pro.q_weight, pro.cos, pro.sin, pro.eps)
+    if pro.k_raw is not None:
+        k = qk_norm_rope_ref(pro.k_raw, pro.k_weight, pro.cos, pro.sin, pro.eps)
+        v = head_norm_ref(pro.k_raw if pro.v_raw is None else pro.v_raw, None, pro.eps)
+        write_kv_ref(KVCacheTarget(cache, pro.slot_page, pro.slot_offset, k_scale, v_scale), k, v)
+    return paged_decode_attention_ref(q, cache, indices, indptr, kv_lens, window=window, k_scale=k_scale,
+                                      v_scale=v_scale)  # fmt: skip
+
+
 def paged_decode_traffic(
     kv_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, *, window: int | None = None,
     kv_bytes: int = 2, q_bytes: int = 2, num_splits: int = 1, block_n: int = DECODE_BLOCK_N,
+    prologue: str | None = None,
 ) -> dict[str, int]:  # fmt: skip
     """Bytes and FLOPs of one launch: the visible K and V rows read once (``min(kv_len, window)`` per row and kv
     head), q read and the output written once; with splits > 1 also what stage 1 writes and stage 2 reads
     (``split_bytes``): every split's fp32 lse, and the fp32 partial output of each slice that holds keys (slices
     are whole ``block_n`` multiples, so a short row leaves its last slices empty).
-    FLOPs: q k^T and p v, 2 x 2 x visible x heads x head_dim."""
+    FLOPs: q k^T and p v, 2 x 2 x visible x heads x head_dim.
+
+    ``prologue`` (None | "q" | "kv" | "k=v"): the launch also reads the q_norm weight and the cos / sin rows; with
+    "kv" / "k=v" it makes the newest K / V row: reads the raw k (and v) rows, the k_norm weight and the int64 slots,
+    writes the new rows into the cache and reads them from no cache (``prologue_bytes`` is that difference, so
+    ``total_bytes`` stays what the launch moves). The separate path moves in addition the q it writes and this
+    launch reads back, and the new rows read from the cache (``saved_bytes``)."""
     spans = [min(n, window) if window else n for n in kv_lens]
     visible = sum(spans)
     b = len(kv_lens)
     kv = 2 * visible * num_kv_heads * head_dim * kv_bytes
     qo = 2 * b * num_heads * head_dim * q_bytes
+    pro = saved = 0
+    if prologue is not None:
+        if prologue not in ("q", "kv", "k=v"):
+            raise ValueError(f"prologue {prologue!r}: None, 'q', 'kv' or 'k=v'")
+        pro = head_dim * q_bytes + b * head_dim * q_bytes  # q_norm weight, cos + sin rows [B, D/2] each
+        saved = 2 * b * num_heads * head_dim * q_bytes  # q written by the separate kernel, read back here
+        if prologue != "q":
+            rows = b * num_kv_heads * head_dim
+            raw = rows * q_bytes * (1 if prologue == "k=v" else 2)
+            pro += raw + head_dim * q_bytes + 16 * b  # the new rows: written instead of read (net zero)
+            saved += 2 * rows * kv_bytes
     split = 0
     if num_splits > 1:
         for span in spans:
@@ -357,8 +543,10 @@ def paged_decode_traffic(
     return {
         "kv_bytes": kv,
         "split_bytes": split,
-        "total_bytes": kv + qo + split,
-        "min_bytes": kv + qo,
+        "prologue_bytes": pro,
+        "saved_bytes": saved,
+        "total_bytes": kv + qo + split + pro,
+        "min_bytes": kv + qo + pro,
         "flops": 4 * visible * num_heads * head_dim,
     }
 

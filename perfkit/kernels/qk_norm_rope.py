@@ -506,15 +506,21 @@ def qkv_norm_rope_ref(
     v = _norm_ref(k_raw if v_raw is None else v_raw, None, eps)
     if kv_cache is None:
         return q, k, v
-    cache, slot_page, slot_offset, k_scale, v_scale = KVCacheTarget(*kv_cache)
+    write_kv_ref(KVCacheTarget(*kv_cache), k, v)
+    return q, None, None
+
+
+def write_kv_ref(target: KVCacheTarget, k: torch.Tensor, v: torch.Tensor) -> None:
+    """K / V rows [T, kvh, hd] index_put into ``target.cache`` at its slots, as the torch backend's `write_kv`
+    does (an fp8 cache gets ``quantize_fp8_per_tensor`` of the rows with the target's scales)."""
+    cache, slot_page, slot_offset, k_scale, v_scale = target
     if cache.dtype == torch.float8_e4m3fn:
         raw = cache.view(torch.uint8)  # index_put on bytes (as write_kv)
         raw[:, 0][slot_page, slot_offset] = quantize_fp8_per_tensor(k, k_scale).view(torch.uint8)
         raw[:, 1][slot_page, slot_offset] = quantize_fp8_per_tensor(v, v_scale).view(torch.uint8)
-        return q, None, None
+        return
     cache[:, 0][slot_page, slot_offset] = k.to(cache.dtype)
     cache[:, 1][slot_page, slot_offset] = v.to(cache.dtype)
-    return q, None, None
 
 
 def qk_norm_rope_traffic(

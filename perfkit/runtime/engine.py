@@ -19,6 +19,8 @@ Toggles (settable on a live engine with `set_toggle`; both arms of every toggle 
   launches per batch-1 decode layer: GeGLU inside the down gemv, the MoE router beside the dense gate_up in one
   gemv launch; bit for bit)   decode_routing=separate|fused (with decode_fusion: the MoE routing as one more
   program of the dense down gemv's launch; the routing weights to fp32 rounding)
+  decode_prologue=separate|fused (fused_kernels on, decode-only steps on the Triton decode: the q/k norm + RoPE and
+  the newest K / V row's write inside the decode kernel instead of their own launch)
 Three toggles change the arithmetic's order, so their arms agree to rounding rather than bit for bit:
   fused_kernels=on|off   moe_gather=gemv|kernels (NVFP4 experts at decode sizes; no effect on other models)
   moe_prefill=auto|quantized|dequant (NVFP4 / FP8 experts at prefill sizes; no effect on other models)
@@ -60,6 +62,7 @@ TOGGLES = {
     "pdl": ("on", "off"),
     "decode_fusion": ("on", "off"),
     "decode_routing": ("separate", "fused"),
+    "decode_prologue": ("separate", "fused"),
 }
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}  # fmt: skip
@@ -93,6 +96,7 @@ class EngineConfig:
     pdl: bool = False  # Triton kernels launch with programmatic dependent launch (perfkit/kernels/pdl.py; sm_90+)
     decode_fusion: bool = False  # fewer launches per batch-1 decode layer (Gemma4ForCausalLM.set_decode_fusion)
     decode_routing: bool = False  # with decode_fusion: MoE routing in the down gemv's launch (set_decode_fusion)
+    decode_prologue: bool = False  # q/k norm + RoPE + the new K / V row inside the Triton decode (attend_raw)
     workspace_bytes: int = 256 << 20  # flashinfer float workspace, shared by every wrapper
     seed: int = 0  # sampling generators
 
@@ -280,6 +284,7 @@ class Engine:
                     self.kv, workspace_bytes=self.ec.workspace_bytes,
                     decode_use_tensor_cores=self.ec.decode_use_tensor_cores, q_dtype=self.model.dtype,
                     decode_kernel=self.ec.decode_attention, max_batch_size=self.ec.max_batch_size, pdl=self.ec.pdl,
+                    decode_prologue=self.ec.decode_prologue,
                 )  # fmt: skip
         return self._backends[name]
 
@@ -349,6 +354,14 @@ class Engine:
                 if self._graphs is not None and self._graphs.backend is fi:
                     self._graphs = None  # the captured graphs launch the other decode kernel: capture again
                     self._sync_graphs()
+        elif name == "decode_prologue" and (value == "fused") != self.ec.decode_prologue:
+            self.ec = replace(self.ec, decode_prologue=value == "fused")
+            fi = self._backends.get("flashinfer")  # the torch backend has no attend_raw
+            if fi is not None:
+                fi.decode_prologue = self.ec.decode_prologue
+                if self._graphs is not None and self._graphs.backend is fi:
+                    self._graphs = None  # the captured graphs launch the other kernels: capture again
+                    self._sync_graphs()
         elif name == "decode_gemv" and value != self.ec.decode_gemv:
             self.ec = replace(self.ec, decode_gemv=value)
             self._gemv = self.model.set_decode_gemv(value)  # auto times each shape once per model
@@ -389,6 +402,7 @@ class Engine:
             "decode_gemv": ec.decode_gemv, "pdl": "on" if ec.pdl else "off",
             "decode_fusion": "on" if ec.decode_fusion else "off",
             "decode_routing": "fused" if ec.decode_routing else "separate",
+            "decode_prologue": "fused" if ec.decode_prologue else "separate",
         }  # fmt: skip
 
     # ---- requests --------------------------------------------------------------------------------------------

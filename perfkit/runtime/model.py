@@ -37,6 +37,10 @@ decoder layer is, in launches:
   gemv applies GeGLU to the [1, 2I] gate_up output as it loads it (no gelu_mul launch; only on the down shapes
   `set_decode_gemv` gave a GLU tile, which auto does where that form timed faster), and a MoE layer's router
   product rides in the dense gate_up's launch (`gemv_pair`). Bit-identical to the separate launches.
+- The q/k norm launch inside the decode kernel (toggle decode_prologue): a backend with `attend_raw` (FlashInfer's,
+  on a Triton decode plan at a decode-only step) takes the raw q / k / v projections, and its decode kernel norms
+  and ropes q and makes, writes and uses the newest K / V row itself (perfkit/kernels/paged_decode.py, "Prologue");
+  where it cannot, it returns None and the layer launches qkv_norm_rope as above.
 
 Module structure, nn.Linear attributes and parameter names are the same on both paths; triton is imported only
 when the fused path is switched on.
@@ -407,9 +411,13 @@ class Gemma4Attention(nn.Module):
         K/V written straight into the backend's cache when it offers a target. KV-shared layers: q only."""
         K, T, la, t, p = _kernels(self.pdl), x.shape[0], self.layer, self.gemv_tiles, self.pdl
         hd = la.head_dim
+        fold = getattr(attn, "attend_raw", None)  # the decode kernel's own q/k norm + RoPE (toggle decode_prologue)
         if not la.writes_kv:
-            q = K.qk_norm_rope(linear(x, self.q_proj, t, p).view(T, -1, hd), self.q_norm.weight, cos, sin, self.eps)
-            return linear(attn.attend(la, q, None, None).reshape(T, -1), self.o_proj, t, p)
+            q_raw = linear(x, self.q_proj, t, p).view(T, -1, hd)
+            o = None if fold is None else fold(la, q_raw, None, None, self.q_norm.weight, None, cos, sin, self.eps)
+            if o is None:
+                o = attn.attend(la, K.qk_norm_rope(q_raw, self.q_norm.weight, cos, sin, self.eps), None, None)
+            return linear(o.reshape(T, -1), self.o_proj, t, p)
         w = self.merged_weight()
         if w is not None:  # [T, (nh + kvh [+ kvh]) * hd] -> views, no copies
             qkv = linear(x, self.qkv, t, p)
@@ -417,11 +425,12 @@ class Gemma4Attention(nn.Module):
         else:  # unmergeable projections (fp4-native, TP-sharded, mixed types)
             q_raw, k_raw = linear(x, self.q_proj, t, p).view(T, -1, hd), linear(x, self.k_proj, t, p).view(T, -1, hd)
             v_raw = None if self.v_proj is None else linear(x, self.v_proj, t, p).view(T, -1, hd)
-        target = _kv_write_target(attn, la, q_raw.dtype)
-        q, k, v = K.qkv_norm_rope_split(
-            q_raw, k_raw, v_raw, self.q_norm.weight, self.k_norm.weight, cos, sin, self.eps, target
-        )  # [T, nh, hd]; k, v [T, kvh, hd] or None when written into the cache
-        o = attn.attend(la, q, k, v)
+        qw, kw = self.q_norm.weight, self.k_norm.weight
+        o = None if fold is None else fold(la, q_raw, k_raw, v_raw, qw, kw, cos, sin, self.eps)
+        if o is None:  # the separate launch: q, and K / V into the cache (or to attend when it offers no target)
+            target = _kv_write_target(attn, la, q_raw.dtype)
+            q, k, v = K.qkv_norm_rope_split(q_raw, k_raw, v_raw, qw, kw, cos, sin, self.eps, target)
+            o = attn.attend(la, q, k, v)  # q [T, nh, hd]; k, v [T, kvh, hd] or None when written into the cache
         return linear(o.reshape(T, -1), self.o_proj, t, p)
 
 

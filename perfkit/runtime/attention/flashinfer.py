@@ -39,7 +39,7 @@ import torch
 
 from perfkit.errors import PerfkitError
 from perfkit.kernels.launch import sm_count
-from perfkit.kernels.paged_decode import paged_decode_attention, pick_splits
+from perfkit.kernels.paged_decode import DecodePrologue, paged_decode_attention, pick_splits
 from perfkit.runtime.attention.base import AttnLayer
 from perfkit.runtime.attention.torch_paged import kv_write_target, write_layer_kv
 from perfkit.runtime.kv_cache import SLIDING_POOL, PagedKVCache
@@ -109,6 +109,7 @@ class FlashInferBackend:
         decode_kernel: str = "auto",
         max_batch_size: int = 256,
         pdl: bool = False,
+        decode_prologue: bool = False,
     ):
         try:
             import flashinfer
@@ -140,6 +141,7 @@ class FlashInferBackend:
         use_triton_decode(decode_kernel, 1)  # validates the value
         self.decode_kernel = decode_kernel  # toggle decode_attention
         self.pdl = pdl  # toggle pdl: the Triton decode's two kernels launch with PDL (FlashInfer's never do)
+        self.decode_prologue = decode_prologue  # toggle decode_prologue: attend_raw folds q/k norm + RoPE in
         # the Triton decode's device metadata: fixed addresses (graphs), sized for the engine's largest batch, + 3
         # for the lengths' 16-byte start (upload_parts)
         self._tri_meta = {p: PinnedStaging(2 * max_batch_size + 4, torch.int32, self.device) for p in kv_cache.specs}
@@ -253,3 +255,32 @@ class FlashInferBackend:
         if pre is not None:
             pre.run(q[nd:], cache, out=out[nd:], **scales)
         return out
+
+    def attend_raw(
+        self, layer: AttnLayer, q_raw: torch.Tensor, k_raw: torch.Tensor | None, v_raw: torch.Tensor | None,
+        q_weight: torch.Tensor, k_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """Attention from the raw projections (toggle decode_prologue): at a decode-only step on a Triton plan the
+        decode kernel norms and ropes q itself and makes, writes and uses the newest K / V row (the work of the
+        qkv_norm_rope launch; `paged_decode_attention`'s prologue). q_raw [T, nh, hd], k_raw / v_raw [T, kvh, hd]
+        (k_raw None: a KV-shared layer; v_raw None: K=V). Returns [T, nh, hd], or None when this step cannot
+        (toggle off, a prefill row in the step, FlashInfer's decode, another dtype): then the caller takes the
+        separate path. The slots are the step's static buffers under CUDA graphs, read on the device."""
+        meta = self.meta
+        if not self.decode_prologue or meta.num_decodes != meta.batch_size or q_raw.dtype != self.q_dtype:
+            return None
+        pool = self.kv.pool_of(layer.index)
+        dec = self._active[pool][0]
+        if not isinstance(dec, TritonDecodePlan) or q_raw.shape[0] != meta.num_decodes:
+            return None
+        cache = self.kv.layer_cache(layer.index)
+        k_scale, v_scale = self.kv.layer_scales(layer.index)
+        if cache.dtype != q_raw.dtype and not self.kv.is_fp8:
+            return None
+        if layer.writes_kv != (k_raw is not None):
+            raise ValueError(f"layer {layer.index}: k_raw must be given exactly on layers that write KV")
+        pt = meta.pools[pool]
+        pro = DecodePrologue(q_weight, cos, sin, eps, k_raw, v_raw, k_weight, pt.slot_page, pt.slot_offset)
+        return paged_decode_attention(q_raw, cache, dec.indices, dec.indptr, dec.kv_lens, window=dec.window,
+                                      k_scale=k_scale, v_scale=v_scale, num_splits=dec.num_splits, pdl=self.pdl,
+                                      prologue=pro)  # fmt: skip
