@@ -26,6 +26,21 @@ log2-sum-exp (an empty slice writes only lse = -inf). Stage 2, grid (B, heads, c
 ``out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m)``, reading the splits 32 at a time. ``splits`` is a
 launch argument, not a compile-time constant, so any batch compiles the same two stage-1 variants (direct / split)
 and two merges (column blocks / whole heads).
+
+Prologue (``prologue=DecodePrologue(...)``, toggle decode_prologue): at a decode-only step the separate
+``qkv_norm_rope`` launch (q_norm + RoPE, k_norm + RoPE, v_norm, the newest K / V row into the cache) is one more
+short kernel on the step's dependent chain, and what a short kernel costs there is its own time, which PDL does not
+hide (12-09 call 6: leaving it out of 26B-A4B's batch-1 step saved 90 us, 3.0 us per layer). With the prologue, q
+is the raw projection: every program norms and ropes its own GQA group's heads (a few KB from L2; the splits of a
+group repeat it) and rounds q to the activation dtype as the separate kernel stores it. With ``k_raw`` every
+program also makes row b's newest K / V row for its kv head (rounded to the activation dtype; an fp8 cache's value
+quantised with write_kv's rule), the program whose slice holds position ``kv_len - 1`` writes it at the
+prologue's slots (the step's own slot buffers, so graph replays and padded rows write where the separate launch
+would), and that program's last block takes the row from registers instead of the cache (its load is masked off:
+nothing in the launch reads what it writes). The arithmetic is the separate kernel's (fp32 norm and RoPE, one
+rounding), so outputs and cache bytes are equal under the interpreter; on the GPU the compiler may contract the
+RoPE products differently (an fp32 ulp, then a neighbouring bf16 / e4m3 value for an element now and then).
+KV-shared layers (``k_raw`` None) take q only and read the newest row from the cache, written by an earlier layer.
 """
 
 from __future__ import annotations
