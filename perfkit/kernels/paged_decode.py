@@ -87,18 +87,21 @@ def _norm_rope(src, rows, rmask, d, w_ptr, cos_row, sin_row, eps, HEAD_DIM: tl.c
 @triton.jit
 def _as_cached(x, inv_scale, FP8: tl.constexpr):
     """A new K / V row in the activation dtype -> what reading it back from the cache gives before the query's
-    dtype: itself, or (FP8) ``write_kv``'s ``clamp(x * inv_scale)`` rounded to e4m3, held exactly in fp32."""
+    dtype, in fp32 (exactly): itself, or (FP8) ``write_kv``'s ``clamp(x * inv_scale)`` rounded to e4m3."""
+    y = x.to(tl.float32)
     if FP8:
-        return _round_e4m3(tl.clamp(x.to(tl.float32) * inv_scale, -_E4M3_MAX, _E4M3_MAX))
-    return x
+        y = _round_e4m3(tl.clamp(y * inv_scale, -_E4M3_MAX, _E4M3_MAX))
+    return y
 
 
 @triton.jit
 def _cache_bytes(x, cache_ptr, FP8: tl.constexpr):
     """`_as_cached`'s value as the cache stores it (an fp8 cache is passed as its uint8 view; the cast is exact)."""
     if FP8:
-        return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    return x.to(cache_ptr.dtype.element_ty)
+        y = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        y = x.to(cache_ptr.dtype.element_ty)
+    return y
 
 
 @triton.jit(do_not_specialize=["num_splits", "window"])  # one compile per pool shape, whatever the batch
