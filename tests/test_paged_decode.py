@@ -207,6 +207,49 @@ def test_prologue_is_the_separate_path_bit_for_bit(lens, heads, kvh, hd, ps, win
     assert_close_to_ref(out, ref, tol=5e-2)
 
 
+_SM90_COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from perfkit.kernels import paged_decode as pd
+
+ptrs = ("q_ptr", "cache_ptr", "out_ptr", "k_raw_ptr", "v_raw_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr")
+sig = dict.fromkeys(ptrs, "*bf16") | dict.fromkeys(("indices_ptr", "indptr_ptr", "kv_lens_ptr"), "*i32")
+sig |= dict.fromkeys(("part_ptr", "lse_ptr"), "*fp32") | dict.fromkeys(("slot_page_ptr", "slot_offset_ptr"), "*i64")
+sig |= dict.fromkeys(("stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_page", "stride_kv", "stride_tok",
+                      "stride_head", "num_splits", "window", "stride_kb", "stride_kh", "stride_vb", "stride_vh",
+                      "stride_cb", "stride_sb"), "i32")
+sig |= dict.fromkeys(("qk_scale", "v_scale", "eps", "k_inv_scale", "v_inv_scale"), "fp32")
+rows = []
+for hd, group, fp8, direct, prologue, new_kv in json.loads(sys.argv[1]):
+    consts = {"GROUP": group, "BLOCK_H": 16, "HEAD_DIM": hd, "PAGE_SIZE": 16, "BLOCK_N": 32, "FP8": fp8,
+              "DIRECT": direct, "UPCAST": 0, "PDL": 1, "PROLOGUE": prologue, "NEW_KV": new_kv}
+    s = sig | {"cache_ptr": "*u8" if fp8 else "*bf16"} | dict.fromkeys(consts, "constexpr")
+    try:
+        k = triton.compile(ASTSource(pd._paged_decode_kernel, s, consts), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 4, "num_stages": 2})
+        rows.append("griddepcontrol.wait" in k.asm["ptx"])
+    except Exception as exc:
+        rows.append(f"{type(exc).__name__}: {exc}"[:2000])
+print(json.dumps(rows))
+"""
+
+
+def test_decode_variants_compile_for_sm90():
+    """Ahead-of-time compile for sm_90 (no GPU needed; outside the interpreter, which accepted a prologue helper
+    whose two constexpr paths returned different dtypes, where the compiler refuses it): the plain kernel and the
+    prologue's variants (q only, new K / V rows, fp8 cache) at the engine's pool shapes."""
+    import json
+
+    from aot import sm90_rows
+
+    variants = [(256, 2, 0, 0, 0, 0), (256, 2, 0, 0, 1, 1), (512, 8, 1, 0, 1, 1), (256, 2, 1, 1, 1, 1),
+                (512, 8, 0, 1, 1, 0)]  # fmt: skip
+    rows = sm90_rows(_SM90_COMPILE, json.dumps(variants))
+    assert rows == [True] * len(variants), rows
+
+
 def test_prologue_rejects_mismatched_inputs():
     q_raw, cache, ind, ptr, kl, pro = prologue_case([4, 9], 4, 2, 64, 16)
     with pytest.raises(ValueError, match="cos / sin"):
