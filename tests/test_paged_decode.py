@@ -487,7 +487,7 @@ def test_gpu_prologue_matches_the_separate_path(pool, kind, fp8):
         bytes_off = (cache.view(torch.uint8) != sep_cache.view(torch.uint8)).sum().item()
         print(pool, kind, fp8, bs, "max |out - sep|", (out.float() - sep.float()).abs().max().item(),
               "cache bytes off", bytes_off)  # fmt: skip
-        assert_close_to_ref(out, sep, tol=2e-3)
+        assert_close_to_ref(out, sep)  # a q element one bf16 ulp off moves an fp8 31B full output by 3e-3 x scale
         assert bytes_off <= 2 * bs * kvh * hd // 100  # at most 1 % of the new rows' bytes
 
 
@@ -516,29 +516,25 @@ def test_gpu_prologue_graph_replay_uses_the_new_slots_and_tables():
     g.replay()
     torch.cuda.synchronize()
     sep = separate_path(q_raw, sep_cache, ind, ptr, kl, pro, **kw)
-    assert_close_to_ref(out, sep, tol=2e-3)
+    assert_close_to_ref(out, sep)
     assert (cache.view(torch.uint8) != sep_cache.view(torch.uint8)).sum().item() <= 2 * kvh * hd // 50
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("preset,kv_dtype", [("31b", "auto"), ("31b", "fp8"), ("26b-a4b", "auto"),
-                                             ("tiny-e4b", "auto")])  # fmt: skip
+@pytest.mark.parametrize("preset,kv_dtype", [("31b", "auto"), ("31b", "fp8"), ("26b-a4b", "auto")])
 def test_gpu_engine_tokens_identical_with_decode_prologue(preset, kv_dtype):
-    """Real widths with 2 layers (tiny-e4b: KV-shared layers, at the real head dims), FlashInfer + CUDA graphs +
-    the fused path, the Triton decode (max_batch_size 8: every decode-only step, padded graph rows included), PDL
-    where available, staggered lengths (mixed steps keep the separate launch): decode_prologue fused gives the
-    separate arm's tokens, and so does switching it on a live engine (its graphs captured again)."""
+    """Real widths with 2 layers, FlashInfer + CUDA graphs + the fused path, the Triton decode (max_batch_size 8:
+    every decode-only step, padded graph rows included), PDL where available, staggered lengths (mixed steps keep
+    the separate launch): decode_prologue fused gives the separate arm's tokens, and so does switching it on a live
+    engine (its graphs captured again)."""
     pytest.importorskip("flashinfer")
     from perfkit.kernels.pdl import pdl_available
     from perfkit.runtime.engine import Engine, EngineConfig
     from perfkit.runtime.model_config import get_preset
     from perfkit.runtime.weights import build_model
 
-    if preset == "tiny-e4b":
-        cfg = get_preset(preset).replace(name="tiny-e4b-fi", head_dim=256, global_head_dim=512, sliding_window=16)
-    else:
-        cfg = get_preset(preset, num_layers=2)
+    cfg = get_preset(preset, num_layers=2)
     model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
     rng = random.Random(31)
     reqs = [[rng.randint(3, min(cfg.vocab_size, 250_000) - 1) for _ in range(rng.randint(1, 200))] for _ in range(12)]
@@ -558,3 +554,30 @@ def test_gpu_engine_tokens_identical_with_decode_prologue(preset, kv_dtype):
     assert live.toggles()["decode_prologue"] == "fused" and live.runner.backend.decode_prologue
     outs.append(run(live))
     assert outs[0] == outs[1] == outs[2]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_engine_decode_prologue_kv_shared_layers_lockstep():
+    """tiny-e4b at the real head dims (its last 4 layers KV-shared: the prologue makes q only and reads the newest
+    row written by the owner layer earlier in the step) with decode_prologue fused, in lockstep against the float32
+    torch reference beside the separate arm (a random tiny model turns one bf16 ulp into other tokens, so tokens
+    alone would not do: teacher-forced logits within the separate arm's error bound)."""
+    pytest.importorskip("flashinfer")
+    import copy
+
+    from test_engine_gpu import engine, lockstep, prompts
+
+    from perfkit.runtime.model_config import get_preset
+    from perfkit.runtime.weights import build_model
+
+    cfg = get_preset("tiny-e4b").replace(name="tiny-e4b-fi", head_dim=256, global_head_dim=512, sliding_window=16)
+    assert cfg.num_kv_shared_layers
+    model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
+    twin = copy.deepcopy(model).float()
+    reqs = [(p, {}) for p in prompts(6, seed=5, vocab=cfg.vocab_size)]
+    kw = dict(fused_kernels=True, decode_attention="triton", max_batch_size=8)
+    base = engine(copy.deepcopy(model), cfg, "flashinfer", True, **kw)
+    cand = engine(copy.deepcopy(model), cfg, "flashinfer", True, decode_prologue=True, **kw)
+    st = lockstep(engine(twin, cfg, "torch", False), base, cand, reqs, 24)
+    assert st["graph_steps"] > 0

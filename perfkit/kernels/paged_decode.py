@@ -104,6 +104,48 @@ def _cache_bytes(x, cache_ptr, FP8: tl.constexpr):
     return y
 
 
+@triton.jit
+def _attend_block(q, m_i, l_i, acc, t0, end, last, k_new, v_new, pages_ptr, cache_ptr, head_off, stride_page,
+                  stride_tok, stride_kv, d, qk_scale, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  FP8: tl.constexpr, UPCAST: tl.constexpr, NEW: tl.constexpr):  # fmt: skip
+    """One online-softmax step over key rows t0 .. t0 + BLOCK_N - 1 (those below ``end``) of one kv head:
+    (m_i, l_i, acc) updated. NEW: row ``last`` is not read from the cache but taken from ``k_new`` / ``v_new``
+    ([1, D] in q's dtype; the prologue's peeled last block, so the loop before it stays the plain kernel's)."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    tmask = t < end
+    page = tl.load(pages_ptr + t // PAGE_SIZE, mask=tmask, other=0).to(tl.int64)
+    row = page * stride_page + (t % PAGE_SIZE) * stride_tok + head_off  # [BLOCK_N]
+    kv_mask = tmask
+    if NEW:
+        kv_mask = tmask & (t != last)
+    k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=kv_mask[:, None], other=0)
+    v = tl.load(cache_ptr + stride_kv + row[:, None] + d[None, :], mask=kv_mask[:, None], other=0)
+    if FP8:  # e4m3 -> the query's dtype is exact (bf16 / fp16 hold every e4m3 value)
+        k = k.to(tl.float8e4nv, bitcast=True)
+        v = v.to(tl.float8e4nv, bitcast=True)
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+    if NEW:
+        is_new = (t == last)[:, None]
+        k = tl.where(is_new, k_new, k)
+        v = tl.where(is_new, v_new, v)
+    if UPCAST:
+        sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(k))
+    sc = sc * qk_scale  # [BLOCK_H, BLOCK_N] fp32
+    sc = tl.where(tmask[None, :], sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, 1))
+    alpha = tl.exp2(m_i - m_new)  # first block: exp2(-inf) = 0
+    p = tl.exp2(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if UPCAST:  # p rounded to q's dtype as on the GPU, then multiplied exactly
+        pv = tl.dot(p.to(q.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(q.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
 @triton.jit(do_not_specialize=["num_splits", "window"])  # one compile per pool shape, whatever the batch
 def _paged_decode_kernel(
     q_ptr,  # [B, H, D] (row stride stride_qb, head stride stride_qh, d contiguous)
@@ -201,42 +243,20 @@ def _paged_decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for t0 in range(start, end, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        tmask = t < end
-        page = tl.load(indices_ptr + first + t // PAGE_SIZE, mask=tmask, other=0).to(tl.int64)
-        row = page * stride_page + (t % PAGE_SIZE) * stride_tok + g * stride_head  # [BLOCK_N]
-        kv_mask = tmask
-        if NEW_KV:  # the newest row is not read: it comes from registers (being written this launch)
-            kv_mask = tmask & (t != last)
-        k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=kv_mask[:, None], other=0)
-        v = tl.load(cache_ptr + stride_kv + row[:, None] + d[None, :], mask=kv_mask[:, None], other=0)
-        if FP8:  # e4m3 -> the query's dtype is exact (bf16 / fp16 hold every e4m3 value)
-            k = k.to(tl.float8e4nv, bitcast=True)
-            v = v.to(tl.float8e4nv, bitcast=True)
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
-        if NEW_KV:
-            if t0 + BLOCK_N > last:  # the block holding the newest row: only the last slice's last step
-                is_new = (t == last)[:, None]
-                k = tl.where(is_new, k_new, k)
-                v = tl.where(is_new, v_new, v)
-        if UPCAST:
-            sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            sc = tl.dot(q, tl.trans(k))
-        sc = sc * qk_scale  # [BLOCK_H, BLOCK_N] fp32
-        sc = tl.where(tmask[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        alpha = tl.exp2(m_i - m_new)  # first block: exp2(-inf) = 0
-        p = tl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if UPCAST:  # p rounded to q's dtype as on the GPU, then multiplied exactly
-            pv = tl.dot(p.to(q.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(q.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    loop_end = end
+    if NEW_KV:  # the slice holding the newest row runs its last block after the loop, with the row from registers
+        holds = ((start <= last) & (last < end)).to(tl.int32)
+        t_last = start + (end - 1 - start) // BLOCK_N * BLOCK_N  # that slice's last block
+        loop_end = end - holds * (end - t_last)
+    for t0 in range(start, loop_end, BLOCK_N):
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, t0, end, last, q, q, indices_ptr + first, cache_ptr,
+                                      g * stride_head, stride_page, stride_tok, stride_kv, d, qk_scale,
+                                      PAGE_SIZE, BLOCK_N, FP8, UPCAST, False)  # fmt: skip
+    if NEW_KV:
+        if holds != 0:
+            m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, t_last, end, last, k_new, v_new, indices_ptr + first,
+                                          cache_ptr, g * stride_head, stride_page, stride_tok, stride_kv, d,
+                                          qk_scale, PAGE_SIZE, BLOCK_N, FP8, UPCAST, True)  # fmt: skip
 
     if DIRECT:  # one split: it always holds key kv_len - 1, so l_i > 0
         o = acc / l_i[:, None] * v_scale
