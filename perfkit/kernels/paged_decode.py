@@ -98,28 +98,37 @@ def _as_cached(x, inv_scale, FP8: tl.constexpr):
 def _cache_bytes(x, cache_ptr, FP8: tl.constexpr):
     """`_as_cached`'s value as the cache stores it (an fp8 cache is passed as its uint8 view; the cast is exact)."""
     if FP8:
-        y = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        y = x.to(tl.float32).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
         y = x.to(cache_ptr.dtype.element_ty)
     return y
 
 
 @triton.jit
-def _attend_block(q, m_i, l_i, acc, t0, end, last, k_new, v_new, pages_ptr, cache_ptr, head_off, stride_page,
-                  stride_tok, stride_kv, d, qk_scale, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  FP8: tl.constexpr, UPCAST: tl.constexpr, NEW: tl.constexpr):  # fmt: skip
-    """One online-softmax step over key rows t0 .. t0 + BLOCK_N - 1 (those below ``end``) of one kv head:
-    (m_i, l_i, acc) updated. NEW: row ``last`` is not read from the cache but taken from ``k_new`` / ``v_new``
-    ([1, D] in q's dtype; the prologue's peeled last block, so the loop before it stays the plain kernel's)."""
+def _load_block(t0, end, last, pages_ptr, cache_ptr, head_off, stride_page, stride_tok, stride_kv, d,
+                PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_LAST: tl.constexpr):  # fmt: skip
+    """Key / value rows t0 .. t0 + BLOCK_N - 1 of one kv head (those below ``end``), as stored ([BLOCK_N, D] each;
+    fp8 caches as bytes): loads only, so a caller can issue them before work that does not need them.
+    SKIP_LAST: row ``last`` is not read (the prologue's newest row, taken from registers)."""
     t = t0 + tl.arange(0, BLOCK_N)
     tmask = t < end
     page = tl.load(pages_ptr + t // PAGE_SIZE, mask=tmask, other=0).to(tl.int64)
     row = page * stride_page + (t % PAGE_SIZE) * stride_tok + head_off  # [BLOCK_N]
     kv_mask = tmask
-    if NEW:
+    if SKIP_LAST:
         kv_mask = tmask & (t != last)
     k = tl.load(cache_ptr + row[:, None] + d[None, :], mask=kv_mask[:, None], other=0)
     v = tl.load(cache_ptr + stride_kv + row[:, None] + d[None, :], mask=kv_mask[:, None], other=0)
+    return k, v, t, tmask
+
+
+@triton.jit
+def _softmax_step(q, m_i, l_i, acc, k, v, t, tmask, last, k_new, v_new, qk_scale, FP8: tl.constexpr,
+                  UPCAST: tl.constexpr, NEW: tl.constexpr):  # fmt: skip
+    """One online-softmax step over a `_load_block` tile: (m_i, l_i, acc) updated. NEW: row ``last`` (if in the
+    tile) is ``k_new`` / ``v_new`` ([1, D] in q's dtype) instead of what was loaded. A tile with no visible key
+    gives m = -inf and NaN weights: only the first block of an empty slice can be one, and its l_i fails the
+    ``> 0`` test at the end, so nothing of it is stored."""
     if FP8:  # e4m3 -> the query's dtype is exact (bf16 / fp16 hold every e4m3 value)
         k = k.to(tl.float8e4nv, bitcast=True)
         v = v.to(tl.float8e4nv, bitcast=True)
@@ -144,6 +153,7 @@ def _attend_block(q, m_i, l_i, acc, t0, end, last, k_new, v_new, pages_ptr, cach
     else:
         pv = tl.dot(p.to(q.dtype), v)
     return m_new, l_i, acc * alpha[:, None] + pv
+
 
 
 @triton.jit(do_not_specialize=["num_splits", "window"])  # one compile per pool shape, whatever the batch
@@ -214,6 +224,13 @@ def _paged_decode_kernel(
     heads = g * GROUP + rows
     hmask = rows < GROUP
     d = tl.arange(0, HEAD_DIM)
+    last = kv_len - 1  # the row's newest key
+    pages = indices_ptr + first
+    head_off = g * stride_head
+    # the slice's first block is loaded before q is made (or loaded), so its page ids and keys are in flight while
+    # the prologue's loads and reductions run; at batch 1 most slices are one block
+    k0, v0, t_0, tm0 = _load_block(start, end, last, pages, cache_ptr, head_off, stride_page, stride_tok, stride_kv,
+                                   d, PAGE_SIZE, BLOCK_N, NEW_KV)  # fmt: skip
     q_rows = b.to(tl.int64) * stride_qb + heads * stride_qh  # [BLOCK_H]
     if PROLOGUE:  # rope(q_norm(q_raw)) rounded to the activation dtype, as the separate kernel stores it
         cos_row = cos_ptr + b.to(tl.int64) * stride_cb
@@ -222,41 +239,45 @@ def _paged_decode_kernel(
         q = q.to(q_ptr.dtype.element_ty)
     else:
         q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=hmask[:, None], other=0.0)  # [BLOCK_H, D]
-    last = kv_len - 1  # the row's newest key
-    if NEW_KV:  # every program makes it (a few hundred bytes from L2); the one whose slice holds it writes it
-        one = tl.arange(0, 1)
-        live = one < 1
-        k_new = _norm_rope(k_raw_ptr, b.to(tl.int64) * stride_kb + g * stride_kh + one, live, d, kw_ptr,
-                           cos_row, sin_row, eps, HEAD_DIM, True)  # fmt: skip
-        v_new = _norm_rope(v_raw_ptr, b.to(tl.int64) * stride_vb + g * stride_vh + one, live, d, kw_ptr,
-                           cos_row, sin_row, eps, HEAD_DIM, False)  # fmt: skip
-        k_new = _as_cached(k_new.to(q.dtype), k_inv_scale, FP8)  # [1, D]: the value a read of the cache gives
-        v_new = _as_cached(v_new.to(q.dtype), v_inv_scale, FP8)
-        slot = tl.load(slot_page_ptr + b) * stride_page + tl.load(slot_offset_ptr + b) * stride_tok + g * stride_head
-        dst = cache_ptr + slot + one[:, None] * 0 + d[None, :]
-        # [1, D]: this program's slice holds it (a scalar AND-ed into a tensor mask fails in the interpreter)
-        mine = d[None, :] < HEAD_DIM * ((start <= last) & (last < end)).to(tl.int32)
-        tl.store(dst, _cache_bytes(k_new, cache_ptr, FP8), mask=mine)
-        tl.store(dst + stride_kv, _cache_bytes(v_new, cache_ptr, FP8), mask=mine)
-        k_new = k_new.to(q.dtype)
-        v_new = v_new.to(q.dtype)
+    k_new = tl.zeros([1, HEAD_DIM], q.dtype)
+    v_new = tl.zeros([1, HEAD_DIM], q.dtype)
+    holds = ((start <= last) & (last < end)).to(tl.int32)  # this slice holds the newest row (one per row, head)
+    if NEW_KV:
+        if holds != 0:  # only that program makes the row: [1, D], the value a read of the cache would give
+            one = tl.arange(0, 1)
+            kr = _norm_rope(k_raw_ptr, b.to(tl.int64) * stride_kb + g * stride_kh + one, one < 1, d, kw_ptr,
+                            cos_row, sin_row, eps, HEAD_DIM, True)  # fmt: skip
+            vr = _norm_rope(v_raw_ptr, b.to(tl.int64) * stride_vb + g * stride_vh + one, one < 1, d, kw_ptr,
+                            cos_row, sin_row, eps, HEAD_DIM, False)  # fmt: skip
+            k_new = _as_cached(kr.to(q.dtype), k_inv_scale, FP8).to(q.dtype)
+            v_new = _as_cached(vr.to(q.dtype), v_inv_scale, FP8).to(q.dtype)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    m_i, l_i, acc = _softmax_step(q, m_i, l_i, acc, k0, v0, t_0, tm0, last, k_new, v_new, qk_scale, FP8, UPCAST,
+                                  NEW_KV)  # fmt: skip
     loop_end = end
-    if NEW_KV:  # the slice holding the newest row runs its last block after the loop, with the row from registers
-        holds = ((start <= last) & (last < end)).to(tl.int32)
-        t_last = start + (end - 1 - start) // BLOCK_N * BLOCK_N  # that slice's last block
+    t_last = start + (end - 1 - start) // BLOCK_N * BLOCK_N  # the slice's last block
+    if NEW_KV:  # the holding slice's last block (when not its first) runs after the loop with the row selected in
         loop_end = end - holds * (end - t_last)
-    for t0 in range(start, loop_end, BLOCK_N):
-        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, t0, end, last, q, q, indices_ptr + first, cache_ptr,
-                                      g * stride_head, stride_page, stride_tok, stride_kv, d, qk_scale,
-                                      PAGE_SIZE, BLOCK_N, FP8, UPCAST, False)  # fmt: skip
+    for t0 in range(start + BLOCK_N, loop_end, BLOCK_N):
+        k, v, t, tm = _load_block(t0, end, last, pages, cache_ptr, head_off, stride_page, stride_tok, stride_kv, d,
+                                  PAGE_SIZE, BLOCK_N, False)  # fmt: skip
+        m_i, l_i, acc = _softmax_step(q, m_i, l_i, acc, k, v, t, tm, last, k_new, v_new, qk_scale, FP8, UPCAST,
+                                      False)  # fmt: skip
     if NEW_KV:
-        if holds != 0:
-            m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, t_last, end, last, k_new, v_new, indices_ptr + first,
-                                          cache_ptr, g * stride_head, stride_page, stride_tok, stride_kv, d,
-                                          qk_scale, PAGE_SIZE, BLOCK_N, FP8, UPCAST, True)  # fmt: skip
+        if (holds != 0) & (t_last > start):
+            k, v, t, tm = _load_block(t_last, end, last, pages, cache_ptr, head_off, stride_page, stride_tok,
+                                      stride_kv, d, PAGE_SIZE, BLOCK_N, True)  # fmt: skip
+            m_i, l_i, acc = _softmax_step(q, m_i, l_i, acc, k, v, t, tm, last, k_new, v_new, qk_scale, FP8, UPCAST,
+                                          True)  # fmt: skip
+        # the new row into the cache at the step's slot, after every read of this program (its own row is never
+        # read: SKIP_LAST); the [1, D] mask carries the scalar (AND-ing a scalar into it fails in the interpreter)
+        slot = tl.load(slot_page_ptr + b) * stride_page + tl.load(slot_offset_ptr + b) * stride_tok + head_off
+        dst = cache_ptr + slot + d[None, :]
+        mine = d[None, :] < HEAD_DIM * holds
+        tl.store(dst, _cache_bytes(k_new, cache_ptr, FP8), mask=mine)
+        tl.store(dst + stride_kv, _cache_bytes(v_new, cache_ptr, FP8), mask=mine)
 
     if DIRECT:  # one split: it always holds key kv_len - 1, so l_i > 0
         o = acc / l_i[:, None] * v_scale

@@ -39,13 +39,15 @@ def arms(q_raw, cache, ind, ptr, kl, pro, window, splits):
                                   pro.eps, (cache, pro.slot_page, pro.slot_offset))[0]  # fmt: skip
     out = torch.empty_like(q_ready)
 
-    def separate():
+    def separate(kernel=paged_decode_attention):
         q = qkv_norm_rope_split(q_raw, pro.k_raw, pro.v_raw, pro.q_weight, pro.k_weight, pro.cos, pro.sin, pro.eps,
                                 (cache, pro.slot_page, pro.slot_offset), pdl=True)[0]  # fmt: skip
-        paged_decode_attention(q, cache, ind, ptr, kl, out=out, **kw)
+        kernel(q, cache, ind, ptr, kl, out=out, **kw)
 
     return {
         "separate": separate,
+        "separate_old": lambda: separate(old.paged_decode_attention),
+        "plain_old": lambda: old.paged_decode_attention(q_ready, cache, ind, ptr, kl, out=out, **kw),
         "fused": lambda: paged_decode_attention(q_raw, cache, ind, ptr, kl, out=out, prologue=pro, **kw),
         "fused_where": lambda: old.paged_decode_attention(q_raw, cache, ind, ptr, kl, out=out, prologue=pro, **kw),
         "q_only": lambda: paged_decode_attention(q_raw, cache, ind, ptr, kl, out=out, prologue=pro._replace(k_raw=None),
