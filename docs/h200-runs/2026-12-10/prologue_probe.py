@@ -1,10 +1,12 @@
 """12-10: what the decode prologue costs inside the Triton decode kernel, per launch pair, at the engine's pool
 shapes (31B / 26B-A4B, sliding / full, batch 1 and 4, kv length ~1100), bf16, PDL on, CUDA-graph replays of 30
 links (a step's layers). Arms, interleaved: `separate` (the qkv_norm_rope launch writing K/V into the cache, then the
-kernel), `fused` (the kernel with the prologue, today's peeled form), `fused_where` (12-10 call 1's form: a select
-inside the loop, from `old_paged_decode.py`, af8ceb9), `q_only` (the prologue without the new rows: what the q part
-costs), `plain` (the kernel alone on a ready q: the floor). One JSON line per (shape, batch, arm) with the median
-us per link over the replays.
+kernel), `fused` (the kernel with the prologue as committed), `fused_where` (12-10 call 1's form: every program makes
+the new row before its loop, a select inside the loop; `old_paged_decode.py` = af8ceb9), `q_only` (the prologue
+without the new rows: what the q part costs), `plain` (the kernel alone on a ready q: the floor), `separate_old` /
+`plain_old` (af8ceb9's kernel, whose loop was not yet split into a first block loaded before q and the rest). One
+JSON line per (shape, batch, arm) with the median us per link over the replays. Call 2 ran it on 2b07abe (the new
+row made before the loop by every program, its last block peeled), without the two _old arms.
 
 Run on the device: python3 docs/h200-runs/2026-12-10/prologue_probe.py > $OUT/probe.jsonl
 """
