@@ -124,11 +124,9 @@ def _load_block(t0, end, last, pages_ptr, cache_ptr, head_off, stride_page, stri
 
 @triton.jit
 def _softmax_step(q, m_i, l_i, acc, k, v, t, tmask, last, k_new, v_new, qk_scale, FP8: tl.constexpr,
-                  UPCAST: tl.constexpr, NEW: tl.constexpr, FIRST: tl.constexpr):  # fmt: skip
-    """One online-softmax step over a `_load_block` tile: (m_i, l_i, acc) updated. NEW: row ``last`` (if in the
-    tile) is ``k_new`` / ``v_new`` ([1, D] in q's dtype) instead of what was loaded. FIRST: the slice's first
-    block, the only one that can hold no visible key (an empty slice): its scores are then shifted by 0 instead of
-    by m = -inf, so it leaves l = 0, acc = 0 rather than NaN."""
+                  UPCAST: tl.constexpr, NEW: tl.constexpr):  # fmt: skip
+    """One online-softmax step over a `_load_block` tile with at least one visible key: (m_i, l_i, acc) updated.
+    NEW: row ``last`` (if in the tile) is ``k_new`` / ``v_new`` ([1, D] in q's dtype) instead of what was loaded."""
     if FP8:  # e4m3 -> the query's dtype is exact (bf16 / fp16 hold every e4m3 value)
         k = k.to(tl.float8e4nv, bitcast=True)
         v = v.to(tl.float8e4nv, bitcast=True)
@@ -145,11 +143,8 @@ def _softmax_step(q, m_i, l_i, acc, k, v, t, tmask, last, k_new, v_new, qk_scale
     sc = sc * qk_scale  # [BLOCK_H, BLOCK_N] fp32
     sc = tl.where(tmask[None, :], sc, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(sc, 1))
-    m_sub = m_new
-    if FIRST:
-        m_sub = tl.where(m_new > float("-inf"), m_new, 0.0)
-    alpha = tl.exp2(m_i - m_sub)  # first block: exp2(-inf) = 0
-    p = tl.exp2(sc - m_sub[:, None])
+    alpha = tl.exp2(m_i - m_new)  # first block: exp2(-inf) = 0
+    p = tl.exp2(sc - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if UPCAST:  # p rounded to q's dtype as on the GPU, then multiplied exactly
         pv = tl.dot(p.to(q.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
@@ -230,10 +225,6 @@ def _paged_decode_kernel(
     last = kv_len - 1  # the row's newest key
     pages = indices_ptr + first
     head_off = g * stride_head
-    # the slice's first block is loaded before q is made (or loaded), so its page ids and keys are in flight while
-    # the prologue's loads and reductions run; at batch 1 most slices are one block
-    k0, v0, t_0, tm0 = _load_block(start, end, last, pages, cache_ptr, head_off, stride_page, stride_tok, stride_kv,
-                                   d, PAGE_SIZE, BLOCK_N, NEW_KV)  # fmt: skip
     q_rows = b.to(tl.int64) * stride_qb + heads * stride_qh  # [BLOCK_H]
     if PROLOGUE:  # rope(q_norm(q_raw)) rounded to the activation dtype, as the separate kernel stores it
         cos_row = cos_ptr + b.to(tl.int64) * stride_cb
@@ -257,23 +248,21 @@ def _paged_decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    m_i, l_i, acc = _softmax_step(q, m_i, l_i, acc, k0, v0, t_0, tm0, last, k_new, v_new, qk_scale, FP8, UPCAST,
-                                  NEW_KV, True)  # fmt: skip
     loop_end = end
     t_last = start + (end - 1 - start) // BLOCK_N * BLOCK_N  # the slice's last block
-    if NEW_KV:  # the holding slice's last block (when not its first) runs after the loop with the row selected in
+    if NEW_KV:  # the holding slice's last block runs after the loop, with the row selected in
         loop_end = end - holds * (end - t_last)
-    for t0 in range(start + BLOCK_N, loop_end, BLOCK_N):
+    for t0 in range(start, loop_end, BLOCK_N):
         k, v, t, tm = _load_block(t0, end, last, pages, cache_ptr, head_off, stride_page, stride_tok, stride_kv, d,
                                   PAGE_SIZE, BLOCK_N, False)  # fmt: skip
         m_i, l_i, acc = _softmax_step(q, m_i, l_i, acc, k, v, t, tm, last, k_new, v_new, qk_scale, FP8, UPCAST,
-                                      False, False)  # fmt: skip
+                                      False)  # fmt: skip
     if NEW_KV:
-        if (holds != 0) & (t_last > start):
+        if holds != 0:
             k, v, t, tm = _load_block(t_last, end, last, pages, cache_ptr, head_off, stride_page, stride_tok,
                                       stride_kv, d, PAGE_SIZE, BLOCK_N, True)  # fmt: skip
             m_i, l_i, acc = _softmax_step(q, m_i, l_i, acc, k, v, t, tm, last, k_new, v_new, qk_scale, FP8, UPCAST,
-                                          True, False)  # fmt: skip
+                                          True)  # fmt: skip
         # the new row into the cache at the step's slot, after every read of this program (its own row is never
         # read: SKIP_LAST); the [1, D] mask carries the scalar (AND-ing a scalar into it fails in the interpreter)
         slot = tl.load(slot_page_ptr + b) * stride_page + tl.load(slot_offset_ptr + b) * stride_tok + head_off
