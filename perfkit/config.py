@@ -136,7 +136,8 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "newest K / V row's cache write in their own launch (separate), or inside the decode kernel, whose programs "
         "norm and rope their own query heads and use the newest row from registers (fused); the same fp32 "
         "arithmetic and roundings, bit for bit under the interpreter; no effect on mixed steps, on FlashInfer's "
-        "decode or with attention=torch",
+        "decode or with attention=torch; separate by default: fused was slower on the H200 (12-10: 26B-A4B c1 TPOT "
+        "2.912 -> 2.934 ms, c4 +2 %; it gains on the sliding pools at batch 1 and loses on the hd 512 full pools)",
     ),
     "attention": (
         ("auto", "flashinfer", "torch"),

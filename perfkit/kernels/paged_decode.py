@@ -32,15 +32,25 @@ Prologue (``prologue=DecodePrologue(...)``, toggle decode_prologue): at a decode
 short kernel on the step's dependent chain, and what a short kernel costs there is its own time, which PDL does not
 hide (12-09 call 6: leaving it out of 26B-A4B's batch-1 step saved 90 us, 3.0 us per layer). With the prologue, q
 is the raw projection: every program norms and ropes its own GQA group's heads (a few KB from L2; the splits of a
-group repeat it) and rounds q to the activation dtype as the separate kernel stores it. With ``k_raw`` every
-program also makes row b's newest K / V row for its kv head (rounded to the activation dtype; an fp8 cache's value
-quantised with write_kv's rule), the program whose slice holds position ``kv_len - 1`` writes it at the
-prologue's slots (the step's own slot buffers, so graph replays and padded rows write where the separate launch
-would), and that program's last block takes the row from registers instead of the cache (its load is masked off:
-nothing in the launch reads what it writes). The arithmetic is the separate kernel's (fp32 norm and RoPE, one
-rounding), so outputs and cache bytes are equal under the interpreter; on the GPU the compiler may contract the
-RoPE products differently (an fp32 ulp, then a neighbouring bf16 / e4m3 value for an element now and then).
-KV-shared layers (``k_raw`` None) take q only and read the newest row from the cache, written by an earlier layer.
+group repeat it) and rounds q to the activation dtype as the separate kernel stores it. With ``k_raw`` the one
+program whose slice holds position ``kv_len - 1`` makes row b's newest K / V row for its kv head (rounded to the
+activation dtype; an fp8 cache's value quantised with write_kv's rule), runs its last block after the loop with
+that row taken from registers instead of the cache (its load is masked off), and writes the row at the prologue's
+slots after all its reads (the step's own slot buffers, so graph replays and padded rows write where the separate
+launch would; nothing else in the launch reads the row). The arithmetic is the separate kernel's (fp32 norm and
+RoPE, one rounding), so outputs and cache bytes are equal under the interpreter; on the GPU the compiler may
+contract the RoPE products differently (an fp32 ulp, then a neighbouring bf16 / e4m3 value for an element now and
+then). KV-shared layers (``k_raw`` None) take q only and read the newest row from the cache, written by an earlier
+layer.
+
+Measured on the H200 (docs/h200-runs/2026-12-10/): not a win, so decode_prologue stays ``separate``. In a chain of
+30 launches of the kernel alone (``prologue_probe.py``, call 4, us per layer, separate -> fused) it gains on the
+sliding pools at batch 1 (26B-A4B 10.9 -> 9.7, 31B 13.3 -> 10.7) and loses on the full pools (26B-A4B 14.3 -> 16.0,
+31B 19.4 -> 23.4; hd 512: the holding program's row and q's norm + RoPE sit on its one block's critical path) and
+at batch 4. In the engine it lost in every form tried: 26B-A4B c1 TPOT 2.912 -> 2.934 ms (call 4), c4 +2 to +7 %.
+Two forms that were slower still: every program making the new row before its loop with a select inside the
+loop (call 1: 26B-A4B c1 +3.6 %), and the slice's first block loaded before q is made (call 3: it slowed the plain
+kernel's full pools by ~0.8 us as well).
 """
 
 from __future__ import annotations

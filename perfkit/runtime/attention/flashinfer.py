@@ -29,6 +29,10 @@ decode is latency-bound at small batches. That kernel reads the page table on th
 the decode rows' indptr and kv lengths into a fixed device buffer per pool (pinned staging, one async copy) and,
 for a graph replay, copies the indices into a fixed buffer too: a captured launch reads the same addresses at every
 replay, and the builders' own index buffers differ between capture (DecodeGraphs' dummy tables) and replay.
+
+`attend_raw` (toggle decode_prologue, default separate): at a decode-only step on a Triton plan, the model hands
+over the raw q / k / v projections and that kernel does the q/k norm + RoPE launch's work itself
+(`paged_decode_attention`'s prologue; slower than the separate launch on the H200, see that module's docstring).
 """
 
 from __future__ import annotations
