@@ -118,8 +118,8 @@ def _cache_bytes(x, cache_ptr, FP8: tl.constexpr):
 def _load_block(t0, end, last, pages_ptr, cache_ptr, head_off, stride_page, stride_tok, stride_kv, d,
                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_LAST: tl.constexpr):  # fmt: skip
     """Key / value rows t0 .. t0 + BLOCK_N - 1 of one kv head (those below ``end``), as stored ([BLOCK_N, D] each;
-    fp8 caches as bytes): loads only, so a caller can issue them before work that does not need them.
-    SKIP_LAST: row ``last`` is not read (the prologue's newest row, taken from registers)."""
+    fp8 caches as bytes); the conversions and the dots are `_softmax_step`'s. SKIP_LAST: row ``last`` is not read
+    (the prologue's newest row, taken from registers)."""
     t = t0 + tl.arange(0, BLOCK_N)
     tmask = t < end
     page = tl.load(pages_ptr + t // PAGE_SIZE, mask=tmask, other=0).to(tl.int64)
@@ -161,7 +161,6 @@ def _softmax_step(q, m_i, l_i, acc, k, v, t, tmask, last, k_new, v_new, qk_scale
     else:
         pv = tl.dot(p.to(q.dtype), v)
     return m_new, l_i, acc * alpha[:, None] + pv
-
 
 
 @triton.jit(do_not_specialize=["num_splits", "window"])  # one compile per pool shape, whatever the batch

@@ -20,7 +20,8 @@ Toggles (settable on a live engine with `set_toggle`; both arms of every toggle 
   gemv launch; bit for bit)   decode_routing=separate|fused (with decode_fusion: the MoE routing as one more
   program of the dense down gemv's launch; the routing weights to fp32 rounding)
   decode_prologue=separate|fused (fused_kernels on, decode-only steps on the Triton decode: the q/k norm + RoPE and
-  the newest K / V row's write inside the decode kernel instead of their own launch)
+  the newest K / V row's write inside the decode kernel instead of their own launch; the same arithmetic, bit for
+  bit under the interpreter, a q element an ulp apart now and then on the GPU)
 Three toggles change the arithmetic's order, so their arms agree to rounding rather than bit for bit:
   fused_kernels=on|off   moe_gather=gemv|kernels (NVFP4 experts at decode sizes; no effect on other models)
   moe_prefill=auto|quantized|dequant (NVFP4 / FP8 experts at prefill sizes; no effect on other models)
