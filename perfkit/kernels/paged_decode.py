@@ -65,7 +65,7 @@ import triton.language as tl
 from perfkit.kernels.fp8 import FP8_DTYPE, fp8_inv_scale
 from perfkit.kernels.launch import interpreting
 from perfkit.kernels.pdl import pdl_enter, pdl_launch
-from perfkit.kernels.qk_norm_rope import _E4M3_MAX, _round_e4m3
+from perfkit.kernels.qk_norm_rope import KVCacheTarget, _e4m3_of, head_norm_ref, qk_norm_rope_ref, write_kv_ref
 
 LOG2E = 1.4426950408889634
 
@@ -100,7 +100,7 @@ def _as_cached(x, inv_scale, FP8: tl.constexpr):
     dtype, in fp32 (exactly): itself, or (FP8) ``write_kv``'s ``clamp(x * inv_scale)`` rounded to e4m3."""
     y = x.to(tl.float32)
     if FP8:
-        y = _round_e4m3(tl.clamp(y * inv_scale, -_E4M3_MAX, _E4M3_MAX))
+        y = _e4m3_of(x, inv_scale)
     return y
 
 
@@ -242,10 +242,13 @@ def _paged_decode_kernel(
         q = q.to(q_ptr.dtype.element_ty)
     else:
         q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=hmask[:, None], other=0.0)  # [BLOCK_H, D]
-    k_new = tl.zeros([1, HEAD_DIM], q.dtype)
+    k_new = tl.zeros([1, HEAD_DIM], q.dtype)  # without NEW_KV: unused (the steps below never select them)
     v_new = tl.zeros([1, HEAD_DIM], q.dtype)
-    holds = ((start <= last) & (last < end)).to(tl.int32)  # this slice holds the newest row (one per row, head)
+    loop_end = end
     if NEW_KV:
+        holds = ((start <= last) & (last < end)).to(tl.int32)  # this slice holds the newest row (one per row, head)
+        t_last = start + (end - 1 - start) // BLOCK_N * BLOCK_N  # the slice's last block: after the loop if it holds
+        loop_end = end - holds * (end - t_last)
         if holds != 0:  # only that program makes the row: [1, D], the value a read of the cache would give
             one = tl.arange(0, 1)
             kr = _norm_rope(k_raw_ptr, b.to(tl.int64) * stride_kb + g * stride_kh + one, one < 1, d, kw_ptr,
@@ -257,17 +260,13 @@ def _paged_decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    loop_end = end
-    t_last = start + (end - 1 - start) // BLOCK_N * BLOCK_N  # the slice's last block
-    if NEW_KV:  # the holding slice's last block runs after the loop, with the row selected in
-        loop_end = end - holds * (end - t_last)
     for t0 in range(start, loop_end, BLOCK_N):
         k, v, t, tm = _load_block(t0, end, last, pages, cache_ptr, head_off, stride_page, stride_tok, stride_kv, d,
                                   PAGE_SIZE, BLOCK_N, False)  # fmt: skip
         m_i, l_i, acc = _softmax_step(q, m_i, l_i, acc, k, v, t, tm, last, k_new, v_new, qk_scale, FP8, UPCAST,
                                       False)  # fmt: skip
     if NEW_KV:
-        if holds != 0:
+        if holds != 0:  # the holding slice's last block, with the new row selected in
             k, v, t, tm = _load_block(t_last, end, last, pages, cache_ptr, head_off, stride_page, stride_tok,
                                       stride_kv, d, PAGE_SIZE, BLOCK_N, True)  # fmt: skip
             m_i, l_i, acc = _softmax_step(q, m_i, l_i, acc, k, v, t, tm, last, k_new, v_new, qk_scale, FP8, UPCAST,
@@ -550,8 +549,6 @@ def paged_decode_prologue_ref(
     """The separate path the prologue replaces: q, k, v by qk_norm_rope's references (rounded to q_raw's dtype), the
     new K / V rows written into ``cache`` at the slots (``write_kv``'s rule), then
     :func:`paged_decode_attention_ref`."""
-    from perfkit.kernels.qk_norm_rope import KVCacheTarget, head_norm_ref, qk_norm_rope_ref, write_kv_ref
-
     pro = prologue
     q = qk_norm_rope_ref(q_raw, pro.q_weight, pro.cos, pro.sin, pro.eps)
     if pro.k_raw is not None:

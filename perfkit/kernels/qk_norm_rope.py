@@ -164,6 +164,13 @@ def _round_e4m3(x):
 
 
 @triton.jit
+def _e4m3_of(x, inv_scale):
+    """``write_kv``'s e4m3 value of x (already rounded to the activation dtype), in fp32: clamp(x * inv_scale),
+    rounded to e4m3 (``inv_scale`` is ``fp8_inv_scale``)."""
+    return _round_e4m3(tl.clamp(x.to(tl.float32) * inv_scale, -_E4M3_MAX, _E4M3_MAX))
+
+
+@triton.jit
 def _store_kv_halves(dst, heads, stride_h, d, half, y1, y2, m, inv_scale, act_ptr, FP8: tl.constexpr):
     """K or V rows into their destination; FP8: rounded to the activation dtype first, then clamp(x * inv_scale),
     rounded to e4m3: ``write_kv``'s ``quantize_fp8_per_tensor(k.to(act))`` (``inv_scale`` is ``fp8_inv_scale``; how
@@ -171,8 +178,8 @@ def _store_kv_halves(dst, heads, stride_h, d, half, y1, y2, m, inv_scale, act_pt
     ``act_ptr``: any pointer of the activation dtype (a dtype itself cannot be passed to a jit function)."""
     if FP8:
         act_ty = act_ptr.dtype.element_ty
-        y1 = _round_e4m3(tl.clamp(y1.to(act_ty).to(tl.float32) * inv_scale, -_E4M3_MAX, _E4M3_MAX))
-        y2 = _round_e4m3(tl.clamp(y2.to(act_ty).to(tl.float32) * inv_scale, -_E4M3_MAX, _E4M3_MAX))
+        y1 = _e4m3_of(y1.to(act_ty), inv_scale)
+        y2 = _e4m3_of(y2.to(act_ty), inv_scale)
     _store_halves(dst, heads, stride_h, d, half, y1, y2, m)
 
 

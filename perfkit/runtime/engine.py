@@ -349,20 +349,10 @@ class Engine:
                 self._sync_graphs()
         elif name == "decode_attention" and value != self.ec.decode_attention:
             self.ec = replace(self.ec, decode_attention=value)
-            fi = self._backends.get("flashinfer")
-            if fi is not None:
-                fi.decode_kernel = value
-                if self._graphs is not None and self._graphs.backend is fi:
-                    self._graphs = None  # the captured graphs launch the other decode kernel: capture again
-                    self._sync_graphs()
+            self._set_flashinfer("decode_kernel", value)
         elif name == "decode_prologue" and (value == "fused") != self.ec.decode_prologue:
             self.ec = replace(self.ec, decode_prologue=value == "fused")
-            fi = self._backends.get("flashinfer")  # the torch backend has no attend_raw
-            if fi is not None:
-                fi.decode_prologue = self.ec.decode_prologue
-                if self._graphs is not None and self._graphs.backend is fi:
-                    self._graphs = None  # the captured graphs launch the other kernels: capture again
-                    self._sync_graphs()
+            self._set_flashinfer("decode_prologue", self.ec.decode_prologue)
         elif name == "decode_gemv" and value != self.ec.decode_gemv:
             self.ec = replace(self.ec, decode_gemv=value)
             self._gemv = self.model.set_decode_gemv(value)  # auto times each shape once per model
@@ -391,6 +381,16 @@ class Engine:
         elif name == "moe_prefill" and value != self.ec.moe_prefill:  # prefill runs eagerly: no graph to redo
             self.ec = replace(self.ec, moe_prefill=value)
             self.model.set_moe_prefill(value)
+
+    def _set_flashinfer(self, attr: str, value) -> None:
+        """A FlashInfer-backend setting switched live (the torch backend has none): set it on the backend if it was
+        built, and capture its graphs again when they are current (they launch the other kernels)."""
+        fi = self._backends.get("flashinfer")
+        if fi is not None:
+            setattr(fi, attr, value)
+            if self._graphs is not None and self._graphs.backend is fi:
+                self._graphs = None
+                self._sync_graphs()
 
     def toggles(self) -> dict[str, str]:
         ec = self.ec

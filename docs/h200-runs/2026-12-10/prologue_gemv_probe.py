@@ -4,7 +4,7 @@ engine measured a loss; the suspect is PDL: a kernel launches as soon as every p
 started and then waits resident, so the fused decode kernel's many programs sit beside the qkv gemv while it
 streams its weight (in the separate path only the small qkv_norm_rope kernel does).
 
-Each link of a CUDA graph of 30: [qkv gemv] -> ([qkv_norm_rope] -> decode + merge | decode with the prologue + merge)
+Each link of a CUDA graph of 30 (prologue_probe's graph_of and timing): [qkv gemv] -> ([qkv_norm_rope] -> decode + merge | decode with the prologue + merge)
 -> [o_proj gemv], at batch 1, kv length ~1,100, bf16, perfkit's gemv with its default tiles. Arms per shape:
 `separate` / `fused` / `gemvs` (the two gemvs alone), each with PDL on and off. One JSON line per (shape, pdl, arm)
 with the median us per link.
@@ -16,12 +16,13 @@ tiny shapes, outputs of the two arms compared).
 
 import json
 import pathlib
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from prologue_probe import graph_of, median_us_per_link  # noqa: E402
 from test_paged_decode import prologue_case  # noqa: E402
 
 from perfkit.kernels.gemv import default_tile, gemv  # noqa: E402
@@ -32,7 +33,6 @@ SHAPES = {  # heads, kv heads, head_dim, window, kind, hidden
     "26b-sliding": (16, 8, 256, 1024, "kv", 2816), "26b-full": (16, 2, 512, None, "k=v", 2816),
     "31b-sliding": (32, 16, 256, 1024, "kv", 5376), "31b-full": (32, 4, 512, None, "k=v", 5376),
 }  # fmt: skip
-LINKS, REPLAYS = 30, 25
 
 
 def links(q_raw, cache, ind, ptr, kl, pro, window, splits, hidden, pdl):
@@ -74,17 +74,6 @@ def links(q_raw, cache, ind, ptr, kl, pro, window, splits, hidden, pdl):
     return {"gemvs": gemvs, "separate": separate, "fused": fused}, o
 
 
-def graph_of(fn):
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(LINKS):
-            fn()
-    return g
-
-
 def main():
     from perfkit.kernels.launch import sm_count
 
@@ -93,19 +82,8 @@ def main():
         for pdl in (True, False):
             q_raw, cache, ind, ptr, kl, pro = prologue_case([1100], heads, kvh, hd, 16, kind, seed=1, device="cuda")
             fns, _ = links(q_raw, cache, ind, ptr, kl, pro, window, pick_splits(1, kvh, sms, window), hidden, pdl)
-            graphs = {a: graph_of(f) for a, f in fns.items()}
-            times = {a: [] for a in graphs}
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            for _ in range(REPLAYS):
-                for a, gr in graphs.items():
-                    start.record()
-                    gr.replay()
-                    stop.record()
-                    stop.synchronize()
-                    times[a].append(start.elapsed_time(stop) * 1e3 / LINKS)
-            for a, ts in times.items():
-                print(json.dumps({"shape": name, "pdl": pdl, "arm": a,
-                                  "us_per_link": round(statistics.median(ts), 3)}), flush=True)  # fmt: skip
+            for a, us in median_us_per_link({a: graph_of(f) for a, f in fns.items()}).items():
+                print(json.dumps({"shape": name, "pdl": pdl, "arm": a, "us_per_link": us}), flush=True)
 
 
 def check():

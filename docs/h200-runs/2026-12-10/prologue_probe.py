@@ -9,6 +9,7 @@ JSON line per (shape, batch, arm) with the median us per link over the replays. 
 row made before the loop by every program, its last block peeled), without the two _old arms.
 
 Run on the device: python3 docs/h200-runs/2026-12-10/prologue_probe.py > $OUT/probe.jsonl
+(After the runs, its timing loop moved into `median_us_per_link` unchanged, for prologue_gemv_probe.py to share.)
 """
 
 import importlib.util
@@ -69,6 +70,20 @@ def graph_of(fn):
     return g
 
 
+def median_us_per_link(graphs: dict) -> dict:
+    """Each graph replayed REPLAYS times, the arms interleaved; the median us per link of each."""
+    times = {a: [] for a in graphs}
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(REPLAYS):
+        for a, g in graphs.items():
+            start.record()
+            g.replay()
+            stop.record()
+            stop.synchronize()
+            times[a].append(start.elapsed_time(stop) * 1e3 / LINKS)
+    return {a: round(statistics.median(ts), 3) for a, ts in times.items()}
+
+
 def main():
     sms = sm_count(torch.device("cuda"))
     for name, (heads, kvh, hd, window, kind) in SHAPES.items():
@@ -77,18 +92,9 @@ def main():
             q_raw, cache, ind, ptr, kl, pro = prologue_case(lens, heads, kvh, hd, 16, kind, seed=bs, device="cuda")
             splits = pick_splits(bs, kvh, sms, window)
             graphs = {a: graph_of(f) for a, f in arms(q_raw, cache, ind, ptr, kl, pro, window, splits).items()}
-            times = {a: [] for a in graphs}
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            for _ in range(REPLAYS):
-                for a, g in graphs.items():
-                    start.record()
-                    g.replay()
-                    stop.record()
-                    stop.synchronize()
-                    times[a].append(start.elapsed_time(stop) * 1e3 / LINKS)
-            for a, ts in times.items():
-                print(json.dumps({"shape": name, "batch": bs, "splits": splits, "arm": a,
-                                  "us_per_link": round(statistics.median(ts), 3)}), flush=True)  # fmt: skip
+            for a, us in median_us_per_link(graphs).items():
+                print(json.dumps({"shape": name, "batch": bs, "splits": splits, "arm": a, "us_per_link": us}),
+                      flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -273,12 +273,10 @@ class FlashInferBackend:
         meta = self.meta
         if not self.decode_prologue or meta.num_decodes != meta.batch_size or q_raw.dtype != self.q_dtype:
             return None
-        pool = self.kv.pool_of(layer.index)
+        cache, pool, k_scale, v_scale = write_layer_kv(self.kv, meta, layer, None, None)  # writes nothing
         dec = self._active[pool][0]
         if not isinstance(dec, TritonDecodePlan) or q_raw.shape[0] != meta.num_decodes:
             return None
-        cache = self.kv.layer_cache(layer.index)
-        k_scale, v_scale = self.kv.layer_scales(layer.index)
         if cache.dtype != q_raw.dtype and not self.kv.is_fp8:
             return None
         if layer.writes_kv != (k_raw is not None):
