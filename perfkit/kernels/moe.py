@@ -165,9 +165,22 @@ def _moe_routing_kernel(
 @triton.jit
 def _route_row(logits_ptr, t, stride_l, scale_ptr, w_ptr, idx_ptr, E, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_E: tl.constexpr):  # fmt: skip
-    """Row t of the routing: softmax(fp32) -> iterative top-k -> renormalise -> * per_expert_scale, stored as
-    (w fp32 [., TOP_K], ids int32 [., TOP_K]). Also the routing program of gemv's routed form
-    (perfkit/kernels/gemv.py), which replaces this kernel's launch at batch-1 decode."""
+    """Row t of the routing (:func:`_topk_row`), stored as (w fp32 [., TOP_K], ids int32 [., TOP_K]). Also the
+    routing program of gemv's routed form (perfkit/kernels/gemv.py), which replaces this kernel's launch at batch-1
+    decode."""
+    wv, iv = _topk_row(logits_ptr, t, stride_l, scale_ptr, E, TOP_K, BLOCK_K, BLOCK_E)
+    kk = tl.arange(0, BLOCK_K)
+    km = kk < TOP_K
+    tl.store(w_ptr + t * TOP_K + kk, wv, mask=km)
+    tl.store(idx_ptr + t * TOP_K + kk, iv, mask=km)
+
+
+@triton.jit
+def _topk_row(logits_ptr, t, stride_l, scale_ptr, E, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+              BLOCK_E: tl.constexpr):  # fmt: skip
+    """Row t of the routing: softmax(fp32) -> iterative top-k -> renormalise -> * per_expert_scale ->
+    (w fp32 [BLOCK_K], ids int32 [BLOCK_K]); lanes from TOP_K on hold 0. Every program of the batch-1 MoE FFN's
+    gate_up launch runs it too (perfkit/kernels/moe_ffn.py), so it must stay cheap: 128 logits, 8 argmax passes."""
     e = tl.arange(0, BLOCK_E)
     z = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
     p = tl.exp(z - tl.max(z, axis=0))
@@ -185,8 +198,7 @@ def _route_row(logits_ptr, t, stride_l, scale_ptr, w_ptr, idx_ptr, E, TOP_K: tl.
     km = kk < TOP_K
     wv = wv / tl.sum(tl.where(km, wv, 0.0), axis=0)
     wv = wv * tl.load(scale_ptr + iv, mask=km, other=0.0).to(tl.float32)
-    tl.store(w_ptr + t * TOP_K + kk, wv, mask=km)
-    tl.store(idx_ptr + t * TOP_K + kk, iv, mask=km)
+    return wv, iv
 
 
 @triton.jit
@@ -468,33 +480,14 @@ def _moe_gather_gate_up_kernel(
     nmask = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + t * stride_x + offs_k  # [BLOCK_K]
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if PREFETCH:  # rows past I re-read row I - 1 (never stored); a weight-0 pair runs no step at all
-        rn = tl.minimum(offs_n, inter - 1).to(tl.int64)
-        g_ptrs = w_ptr + e * stride_we + rn[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-        u_ptrs = g_ptrs + inter * stride_wn
-        evict: tl.constexpr = "evict_first" if EVICT_FIRST else ""
-        h_main = h_live // BLOCK_K * BLOCK_K
-        first = (offs_k < h_main)[None, :]
-        g = tl.load(g_ptrs, mask=first, other=0.0, eviction_policy=evict)
-        u = tl.load(u_ptrs, mask=first, other=0.0, eviction_policy=evict)
-        for k0 in range(0, h_main, BLOCK_K):
-            xv = tl.load(x_ptrs + k0).to(tl.float32)[None, :]
-            k_next = tl.minimum(k0 + BLOCK_K, h_main - BLOCK_K)
-            g_next = tl.load(g_ptrs + k_next, eviction_policy=evict)
-            u_next = tl.load(u_ptrs + k_next, eviction_policy=evict)
-            acc_g = tl.fma(g.to(tl.float32), xv, acc_g)
-            acc_u = tl.fma(u.to(tl.float32), xv, acc_u)
-            g, u = g_next, u_next
-        if h_main < h_live:  # the H tail: one masked step
-            km = offs_k < h_live - h_main
-            xv = tl.load(x_ptrs + h_main, mask=km, other=0.0).to(tl.float32)[None, :]
-            acc_g += tl.load(g_ptrs + h_main, mask=km[None, :], other=0.0).to(tl.float32) * xv
-            acc_u += tl.load(u_ptrs + h_main, mask=km[None, :], other=0.0).to(tl.float32) * xv
+    if PREFETCH:  # a weight-0 pair runs no step at all
+        a = _gate_up_prefetch(x_ptrs, w_ptr + e * stride_we, inter, h_live, stride_wn, offs_n, offs_k, BLOCK_N,
+                              BLOCK_K, EVICT_FIRST, 0)  # fmt: skip
     else:
         g_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
         u_ptrs = g_ptrs + inter * stride_wn
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             km = offs_k < h_live - k0
             wm = nmask[:, None] & km[None, :]
@@ -504,8 +497,45 @@ def _moe_gather_gate_up_kernel(
             x_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
-    a = _gelu_tanh_f32(tl.sum(acc_g, axis=1)) * tl.sum(acc_u, axis=1)  # [BLOCK_N]
+        a = _gelu_tanh_f32(tl.sum(acc_g, axis=1)) * tl.sum(acc_u, axis=1)  # [BLOCK_N]
     tl.store(act_ptr + p * stride_act + offs_n, a.to(act_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _gate_up_prefetch(
+    x_ptrs, w_base, inter, h_live, stride_wn, offs_n, offs_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVICT_FIRST: tl.constexpr, WAIT: tl.constexpr,
+):  # fmt: skip
+    """gelu_tanh(x . Wg[n]) * (x . Wu[n]) for the BLOCK_N rows offs_n of one [2 * inter, H] gate_up weight at
+    w_base (gate rows, then up) -> fp32 [BLOCK_N]; the first h_live columns (H, or 0 for a pair that reads
+    nothing). x_ptrs [BLOCK_K]: the input's first chunk. Unmasked steps, the next step's tiles loaded before this
+    one's FMAs; rows past inter re-read row inter - 1 (the caller masks its store). WAIT: pdl_enter after the
+    first tiles are in flight (the weight is constant, x comes from the kernel before); 0 if the caller waited."""
+    rn = tl.minimum(offs_n, inter - 1).to(tl.int64)
+    g_ptrs = w_base + rn[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    u_ptrs = g_ptrs + inter * stride_wn
+    evict: tl.constexpr = "evict_first" if EVICT_FIRST else ""
+    h_main = h_live // BLOCK_K * BLOCK_K
+    first = (offs_k < h_main)[None, :]
+    g = tl.load(g_ptrs, mask=first, other=0.0, eviction_policy=evict)
+    u = tl.load(u_ptrs, mask=first, other=0.0, eviction_policy=evict)
+    pdl_enter(WAIT)
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, h_main, BLOCK_K):
+        xv = tl.load(x_ptrs + k0).to(tl.float32)[None, :]
+        k_next = tl.minimum(k0 + BLOCK_K, h_main - BLOCK_K)
+        g_next = tl.load(g_ptrs + k_next, eviction_policy=evict)
+        u_next = tl.load(u_ptrs + k_next, eviction_policy=evict)
+        acc_g = tl.fma(g.to(tl.float32), xv, acc_g)
+        acc_u = tl.fma(u.to(tl.float32), xv, acc_u)
+        g, u = g_next, u_next
+    if h_main < h_live:  # the H tail: one masked step
+        km = offs_k < h_live - h_main
+        xv = tl.load(x_ptrs + h_main, mask=km, other=0.0).to(tl.float32)[None, :]
+        acc_g += tl.load(g_ptrs + h_main, mask=km[None, :], other=0.0).to(tl.float32) * xv
+        acc_u += tl.load(u_ptrs + h_main, mask=km[None, :], other=0.0).to(tl.float32) * xv
+    return _gelu_tanh_f32(tl.sum(acc_g, axis=1)) * tl.sum(acc_u, axis=1)
 
 
 @triton.jit
@@ -548,22 +578,7 @@ def _moe_gather_down_kernel(
         rn = tl.minimum(offs_n, H - 1).to(tl.int64)
         w_ptrs = w_ptr + es[:, None, None] * stride_we + (rn * stride_wn)[None, :, None] + offs_k[None, None, :]
         a_ptrs = act_ptr + (slots * stride_act)[:, None] + offs_k[None, :]  # [TOP_K, BLOCK_K]
-        evict: tl.constexpr = "evict_first" if EVICT_FIRST else ""
-        i_main = inter // BLOCK_K * BLOCK_K
-        acc3 = tl.zeros([TOP_K, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        wv = tl.load(w_ptrs, mask=live & (offs_k < i_main)[None, None, :], other=0.0, eviction_policy=evict)
-        for k0 in range(0, i_main, BLOCK_K):
-            a = tl.load(a_ptrs + k0).to(tl.float32) * wts[:, None]  # [TOP_K, BLOCK_K]
-            k_next = tl.minimum(k0 + BLOCK_K, i_main - BLOCK_K)
-            wv_next = tl.load(w_ptrs + k_next, mask=live, other=0.0, eviction_policy=evict)
-            acc3 = tl.fma(wv.to(tl.float32), a[:, None, :], acc3)
-            wv = wv_next
-        if i_main < inter:  # the I tail: one masked step
-            km = offs_k < inter - i_main
-            a = tl.load(a_ptrs + i_main, mask=km[None, :], other=0.0).to(tl.float32) * wts[:, None]
-            w_tail = tl.load(w_ptrs + i_main, mask=live & km[None, None, :], other=0.0).to(tl.float32)
-            acc3 += w_tail * a[:, None, :]  # (a new name: reassigning wv would change its type inside the if)
-        y = tl.sum(tl.sum(acc3, axis=2), axis=0)  # [BLOCK_N]
+        y = _down_prefetch(a_ptrs, w_ptrs, wts, live, inter, TOP_K, BLOCK_N, BLOCK_K, EVICT_FIRST, 0)
     else:
         w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K], expert 0
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -578,6 +593,36 @@ def _moe_gather_down_kernel(
                 acc += wv.to(tl.float32) * a[None, :]
         y = tl.sum(acc, axis=1)
     tl.store(out_ptr + t * stride_out + offs_n, y.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _down_prefetch(
+    a_ptrs, w_ptrs, wts, live, inter, S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVICT_FIRST: tl.constexpr, WAIT: tl.constexpr,
+):  # fmt: skip
+    """sum_s wts[s] * (a_s . W_s[n]) over S slots -> fp32 [BLOCK_N]: a_ptrs [S, BLOCK_K] the slots' activation rows,
+    w_ptrs [S, BLOCK_N, BLOCK_K] their weight rows (first chunk), both of length inter; live [S, 1, 1]: slots that
+    read their weight (others add 0). The S tiles are one load, the next step's loaded before this one's FMAs;
+    summed per lane, then over S once at the end. WAIT: pdl_enter after the first weight tiles are in flight (the
+    activations come from the kernel before); 0 if the caller waited."""
+    evict: tl.constexpr = "evict_first" if EVICT_FIRST else ""
+    offs_k = tl.arange(0, BLOCK_K)
+    i_main = inter // BLOCK_K * BLOCK_K
+    wv = tl.load(w_ptrs, mask=live & (offs_k < i_main)[None, None, :], other=0.0, eviction_policy=evict)
+    pdl_enter(WAIT)
+    acc3 = tl.zeros([S, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, i_main, BLOCK_K):
+        a = tl.load(a_ptrs + k0).to(tl.float32) * wts[:, None]  # [S, BLOCK_K]
+        k_next = tl.minimum(k0 + BLOCK_K, i_main - BLOCK_K)
+        wv_next = tl.load(w_ptrs + k_next, mask=live, other=0.0, eviction_policy=evict)
+        acc3 = tl.fma(wv.to(tl.float32), a[:, None, :], acc3)
+        wv = wv_next
+    if i_main < inter:  # the I tail: one masked step
+        km = offs_k < inter - i_main
+        a = tl.load(a_ptrs + i_main, mask=km[None, :], other=0.0).to(tl.float32) * wts[:, None]
+        w_tail = tl.load(w_ptrs + i_main, mask=live & km[None, None, :], other=0.0).to(tl.float32)
+        acc3 += w_tail * a[:, None, :]  # (a new name: reassigning wv would change its type inside the if)
+    return tl.sum(tl.sum(acc3, axis=2), axis=0)
 
 
 @triton.jit

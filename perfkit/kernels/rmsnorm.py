@@ -33,6 +33,8 @@ import triton.language as tl
 
 from perfkit.kernels.pdl import pdl_enter, pdl_launch
 
+SANDWICH_ROUTER_ROWS = 4  # router experts per extra sandwich program (26B-A4B: 128 experts -> 32 programs)
+
 # --------------------------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------------------------
@@ -106,6 +108,9 @@ def _sandwich_kernel(
     y1_ptr,
     y2_ptr,
     y3_ptr,  # [R, N] next pre-norm outputs (contiguous rows)
+    rw_ptr,  # [E, N] router weight (HAS_ROUTER), contiguous
+    rn_ptr,  # [N] the router's norm weight
+    logits_ptr,  # [R, E] out: router logits
     N,
     stride_x,
     stride_x2,
@@ -114,16 +119,46 @@ def _sandwich_kernel(
     mult1,
     mult2,
     mult3,
+    rmult,  # the router norm's multiplier (H^-0.5)
+    E,  # router experts
     HAS_X2: tl.constexpr,
     HAS_SCALAR: tl.constexpr,
     NUM_NEXT: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_ROUTER: tl.constexpr = 0,  # programs (row, j >= 1) compute router logits (sandwich_rmsnorm(router=))
+    ROUTER_ROWS: tl.constexpr = 1,  # experts per router program
     PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
 ):
-    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     cm = cols < N
+    if HAS_ROUTER:
+        j = tl.program_id(1)
+        if j > 0:  # router rows [(j-1) R, j R): their weight in flight before the wait (it is constant)
+            r = (j - 1) * ROUTER_ROWS + tl.arange(0, ROUTER_ROWS)
+            wt = tl.load(rw_ptr + r[:, None] * N + cols[None, :], mask=(r < E)[:, None] & cm[None, :], other=0.0)
+            pdl_enter(PDL)
+            h = _sandwich_h(x_ptr, x2_ptr, wa_ptr, wb_ptr, res_ptr, w_ptr, scalar_ptr, row, N, stride_x, stride_x2,
+                            stride_r, eps, cols, cm, HAS_X2, HAS_SCALAR)  # fmt: skip
+            # the router's input exactly as a stored pre-norm output (rounded to x's dtype), then its product
+            y = _norm_row(h, N, eps) * tl.load(rn_ptr + cols, mask=cm, other=0.0).to(tl.float32) * rmult
+            y = y.to(logits_ptr.dtype.element_ty).to(tl.float32)
+            z = tl.sum(wt.to(tl.float32) * y[None, :], axis=1)  # [ROUTER_ROWS]
+            tl.store(logits_ptr + row * E + r, z.to(logits_ptr.dtype.element_ty), mask=r < E)
+        else:
+            _sandwich_main(x_ptr, x2_ptr, wa_ptr, wb_ptr, res_ptr, w_ptr, scalar_ptr, h_ptr, w1_ptr, w2_ptr, w3_ptr,
+                           y1_ptr, y2_ptr, y3_ptr, row, N, stride_x, stride_x2, stride_r, eps, mult1, mult2, mult3,
+                           cols, cm, HAS_X2, HAS_SCALAR, NUM_NEXT, PDL)  # fmt: skip
+    else:
+        _sandwich_main(x_ptr, x2_ptr, wa_ptr, wb_ptr, res_ptr, w_ptr, scalar_ptr, h_ptr, w1_ptr, w2_ptr, w3_ptr,
+                       y1_ptr, y2_ptr, y3_ptr, row, N, stride_x, stride_x2, stride_r, eps, mult1, mult2, mult3,
+                       cols, cm, HAS_X2, HAS_SCALAR, NUM_NEXT, PDL)  # fmt: skip
+
+
+@triton.jit
+def _sandwich_h(x_ptr, x2_ptr, wa_ptr, wb_ptr, res_ptr, w_ptr, scalar_ptr, row, N, stride_x, stride_x2, stride_r, eps,
+                cols, cm, HAS_X2: tl.constexpr, HAS_SCALAR: tl.constexpr):  # fmt: skip
+    """The new residual stream of one row, fp32 (before its rounding to h's dtype)."""
     x = tl.load(x_ptr + row * stride_x + cols, mask=cm, other=0.0).to(tl.float32)
     if HAS_X2:
         x2 = tl.load(x2_ptr + row * stride_x2 + cols, mask=cm, other=0.0).to(tl.float32)
@@ -134,6 +169,17 @@ def _sandwich_kernel(
     h = tl.load(res_ptr + row * stride_r + cols, mask=cm, other=0.0).to(tl.float32) + _norm_row(x, N, eps) * w
     if HAS_SCALAR:
         h = h * tl.load(scalar_ptr).to(tl.float32)
+    return h
+
+
+@triton.jit
+def _sandwich_main(x_ptr, x2_ptr, wa_ptr, wb_ptr, res_ptr, w_ptr, scalar_ptr, h_ptr, w1_ptr, w2_ptr, w3_ptr, y1_ptr,
+                   y2_ptr, y3_ptr, row, N, stride_x, stride_x2, stride_r, eps, mult1, mult2, mult3, cols, cm,
+                   HAS_X2: tl.constexpr, HAS_SCALAR: tl.constexpr, NUM_NEXT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """Program (row, 0): h stored, then the following pre-norms."""
+    pdl_enter(PDL)
+    h = _sandwich_h(x_ptr, x2_ptr, wa_ptr, wb_ptr, res_ptr, w_ptr, scalar_ptr, row, N, stride_x, stride_x2, stride_r,
+                    eps, cols, cm, HAS_X2, HAS_SCALAR)  # fmt: skip
     tl.store(h_ptr + row * N + cols, h.to(h_ptr.dtype.element_ty), mask=cm)
     if NUM_NEXT > 0:
         hn = _norm_row(h, N, eps)
@@ -208,12 +254,18 @@ def sandwich_rmsnorm(
     scalar: torch.Tensor | None = None,
     next_weights: Sequence[torch.Tensor] = (),
     next_mults: Sequence[float] | None = None,
+    router: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     pdl: bool = False,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``h = (residual + norm(t) * weight) * scalar``, ``t = x`` or, with ``x2 = (e, wa, wb)``,
     ``t = norm(x) * wa + norm(e) * wb``; returns ``(h, [norm(h) * w_j * mult_j for w_j in next_weights])``.
 
     x, residual, e: [T, H] (row-strided views allowed); weights [H]; scalar: a 1-element tensor (layer_scalar).
+    router: (proj [E, H], norm weight [H], mult): a MoE router's product rides in this launch, and the logits
+    ``proj @ (norm(h) * norm_weight * mult)`` [T, E] (the input rounded to x's dtype, as a pre-norm output would
+    be; fp32 accumulation, logits in x's dtype) are appended to the returned list. Extra programs
+    (``SANDWICH_ROUTER_ROWS`` experts each) recompute the row's h and load their router rows before the PDL wait;
+    the batch-1 MoE FFN (perfkit/kernels/moe_ffn.py) reads the logits in its next launch.
     pdl: launch with programmatic dependent launch (perfkit/kernels/pdl.py; sm_90+ only).
     """
     if x.dim() != 2 or residual.shape != x.shape:
@@ -228,7 +280,7 @@ def sandwich_rmsnorm(
     h = torch.empty((R, N), dtype=residual.dtype, device=x.device)
     ys = [torch.empty((R, N), dtype=x.dtype, device=x.device) for _ in next_weights]
     if R == 0:
-        return h, ys
+        return h, ys if router is None else [*ys, torch.empty((0, router[0].shape[0]), dtype=x.dtype, device=x.device)]
     if x2 is not None:
         e, wa, wb = x2
         if e.shape != x.shape:
@@ -240,13 +292,21 @@ def sandwich_rmsnorm(
     yp = ys + [h] * (3 - len(ys))
     mp = mults + [1.0] * (3 - len(mults))
     block_n = triton.next_power_of_2(N)
-    _sandwich_kernel[(R,)](
-        xr, er, wa, wb, rr, weight, weight if scalar is None else scalar, h, *ws, *yp,
-        N, xr.stride(0), er.stride(0), rr.stride(0), float(eps), *mp,
+    rw, rn, rmult, E, logits, programs = weight, weight, 1.0, 0, h, 1
+    if router is not None:
+        rw, rn, rmult = router
+        E = rw.shape[0]
+        if rw.shape != (E, N) or rn.shape != (N,) or not rw.is_contiguous():
+            raise ValueError(f"router weight {tuple(rw.shape)} must be a contiguous [E, {N}], its norm weight [{N}]")
+        logits = torch.empty((R, E), dtype=x.dtype, device=x.device)
+        programs = 1 + triton.cdiv(E, SANDWICH_ROUTER_ROWS)
+    _sandwich_kernel[(R, programs)](
+        xr, er, wa, wb, rr, weight, weight if scalar is None else scalar, h, *ws, *yp, rw, rn, logits,
+        N, xr.stride(0), er.stride(0), rr.stride(0), float(eps), *mp, float(rmult), E,
         HAS_X2=x2 is not None, HAS_SCALAR=scalar is not None, NUM_NEXT=len(next_weights), BLOCK_N=block_n,
-        num_warps=_warps(block_n), **pdl_launch(pdl),
+        HAS_ROUTER=router is not None, ROUTER_ROWS=SANDWICH_ROUTER_ROWS, num_warps=_warps(block_n), **pdl_launch(pdl),
     )  # fmt: skip
-    return h, ys
+    return h, ys if router is None else [*ys, logits]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -280,6 +340,7 @@ def sandwich_rmsnorm_ref(
     scalar: torch.Tensor | None = None,
     next_weights: Sequence[torch.Tensor] = (),
     next_mults: Sequence[float] | None = None,
+    router: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     t = x
     if x2 is not None:
@@ -289,7 +350,11 @@ def sandwich_rmsnorm_ref(
     if scalar is not None:
         h = h * scalar
     mults = [1.0] * len(next_weights) if next_mults is None else list(next_mults)
-    return h, [rmsnorm_ref(h, w, eps, out_scale=m) for w, m in zip(next_weights, mults, strict=True)]
+    ys = [rmsnorm_ref(h, w, eps, out_scale=m) for w, m in zip(next_weights, mults, strict=True)]
+    if router is not None:  # the router's product of its (rounded) input, fp32 accumulation
+        proj, rn, rmult = router
+        ys.append((rmsnorm_ref(h, rn, eps, out_scale=rmult).float() @ proj.float().T).to(x.dtype))
+    return h, ys
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -312,9 +377,12 @@ def rmsnorm_traffic(
 
 
 def sandwich_rmsnorm_traffic(
-    rows: int, n: int, elt_bytes: int = 2, num_next: int = 0, x2: bool = False, w_bytes: int | None = None
+    rows: int, n: int, elt_bytes: int = 2, num_next: int = 0, x2: bool = False, w_bytes: int | None = None,
+    router_experts: int = 0,
 ) -> dict[str, int]:
     """Minimum DRAM bytes of :func:`sandwich_rmsnorm`: read x (+ x2), res, the weights; write h and num_next outputs.
+    ``router_experts`` E > 0: the router's product rides along: its [E, n] weight and norm weight read, [rows, E]
+    logits written, 2 E n FLOPs per row (its programs' re-reads of x and res hit L2 and are not counted).
 
     ``unfused_bytes``: the PyTorch sequence (each norm reads and writes [R, N], the add reads 2 and writes 1, each
     next norm reads h; the x2 form adds two norms and one add), for the saving.
@@ -322,10 +390,11 @@ def sandwich_rmsnorm_traffic(
     w_bytes = elt_bytes if w_bytes is None else w_bytes
     a = rows * n * elt_bytes
     n_w = 1 + num_next + (2 if x2 else 0)
-    read = a * (2 + int(x2)) + n_w * n * w_bytes
-    written = a * (1 + num_next)
+    router = (router_experts + 1) * n * w_bytes if router_experts else 0
+    read = a * (2 + int(x2)) + n_w * n * w_bytes + router
+    written = a * (1 + num_next) + rows * router_experts * elt_bytes
     unfused = (2 * a + 3 * a) + num_next * 2 * a + (7 * a if x2 else 0) + n_w * n * w_bytes
-    flops = rows * n * (4 + 1 + 4 * num_next + (9 if x2 else 0))
+    flops = rows * n * (4 + 1 + 4 * num_next + (9 if x2 else 0) + 2 * router_experts)
     return {
         "bytes_read": read,
         "bytes_written": written,

@@ -19,6 +19,9 @@ Toggles (settable on a live engine with `set_toggle`; both arms of every toggle 
   launches per batch-1 decode layer: GeGLU inside the down gemv, the MoE router beside the dense gate_up in one
   gemv launch; bit for bit)   decode_routing=separate|fused (with decode_fusion: the MoE routing as one more
   program of the dense down gemv's launch; the routing weights to fp32 rounding)
+  decode_moe_ffn=separate|fused (with decode_fusion: a MoE layer's feed-forward block at batch 1 in two launches,
+  the router's product in the attention sandwich's; rounding-level: the dense branch rounds once, the router's sums
+  run in another order)
   decode_prologue=separate|fused (fused_kernels on, decode-only steps on the Triton decode: the q/k norm + RoPE and
   the newest K / V row's write inside the decode kernel instead of their own launch; the same arithmetic, bit for
   bit under the interpreter, a q element an ulp apart now and then on the GPU)
@@ -63,6 +66,7 @@ TOGGLES = {
     "pdl": ("on", "off"),
     "decode_fusion": ("on", "off"),
     "decode_routing": ("separate", "fused"),
+    "decode_moe_ffn": ("separate", "fused"),
     "decode_prologue": ("separate", "fused"),
 }
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -97,6 +101,7 @@ class EngineConfig:
     pdl: bool = False  # Triton kernels launch with programmatic dependent launch (perfkit/kernels/pdl.py; sm_90+)
     decode_fusion: bool = False  # fewer launches per batch-1 decode layer (Gemma4ForCausalLM.set_decode_fusion)
     decode_routing: bool = False  # with decode_fusion: MoE routing in the down gemv's launch (set_decode_fusion)
+    decode_moe_ffn: bool = False  # with decode_fusion: a MoE layer's FFN block in two launches (set_decode_fusion)
     decode_prologue: bool = False  # q/k norm + RoPE + the new K / V row inside the Triton decode (attend_raw)
     workspace_bytes: int = 256 << 20  # flashinfer float workspace, shared by every wrapper
     seed: int = 0  # sampling generators
@@ -176,7 +181,7 @@ class Engine:
         self._check_pdl(ec.pdl)
         model.set_fused(ec.fused_kernels)
         model.set_pdl(ec.pdl)
-        model.set_decode_fusion(ec.decode_fusion, routed=ec.decode_routing)
+        model.set_decode_fusion(ec.decode_fusion, routed=ec.decode_routing, moe_ffn=ec.decode_moe_ffn)
         self._gemv = model.set_decode_gemv(ec.decode_gemv)  # after set_fused (the merged shapes) and set_pdl
         model.set_moe_gather(ec.moe_gather)
         model.set_moe_prefill(ec.moe_prefill)
@@ -368,14 +373,15 @@ class Engine:
             self._gemv = self.model.set_decode_gemv(self.ec.decode_gemv)  # decode_gemv=auto timed with / without
             self._graphs = None  # the captured graphs launch without / with it: capture again
             self._sync_graphs()
-        elif (name == "decode_fusion" and on != self.ec.decode_fusion) or (
-            name == "decode_routing" and (value == "fused") != self.ec.decode_routing
+        elif (
+            (name == "decode_fusion" and on != self.ec.decode_fusion)
+            or (name == "decode_routing" and (value == "fused") != self.ec.decode_routing)
+            or (name == "decode_moe_ffn" and (value == "fused") != self.ec.decode_moe_ffn)
         ):
-            if name == "decode_fusion":
-                self.ec = replace(self.ec, decode_fusion=on)
-            else:
-                self.ec = replace(self.ec, decode_routing=value == "fused")
-            self.model.set_decode_fusion(self.ec.decode_fusion, routed=self.ec.decode_routing)
+            ec = self.ec
+            self.ec = replace(ec, decode_fusion=on) if name == "decode_fusion" else replace(ec, **{name: value == "fused"})
+            ec = self.ec
+            self.model.set_decode_fusion(ec.decode_fusion, routed=ec.decode_routing, moe_ffn=ec.decode_moe_ffn)
             self._graphs = None  # the captured graphs launch the other kernels: capture again
             self._sync_graphs()
         elif name == "moe_prefill" and value != self.ec.moe_prefill:  # prefill runs eagerly: no graph to redo
@@ -403,6 +409,7 @@ class Engine:
             "decode_gemv": ec.decode_gemv, "pdl": "on" if ec.pdl else "off",
             "decode_fusion": "on" if ec.decode_fusion else "off",
             "decode_routing": "fused" if ec.decode_routing else "separate",
+            "decode_moe_ffn": "fused" if ec.decode_moe_ffn else "separate",
             "decode_prologue": "fused" if ec.decode_prologue else "separate",
         }  # fmt: skip
 

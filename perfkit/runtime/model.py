@@ -71,7 +71,7 @@ def _kernels(pdl: bool = False) -> SimpleNamespace:
 
 @functools.cache
 def _kernel_table(pdl: bool) -> SimpleNamespace:
-    from perfkit.kernels import gelu_mul, gemv, moe, qk_norm_rope, rmsnorm
+    from perfkit.kernels import gelu_mul, gemv, moe, moe_ffn, qk_norm_rope, rmsnorm
 
     def bind(fn):
         return functools.partial(fn, pdl=pdl)
@@ -89,6 +89,8 @@ def _kernel_table(pdl: bool) -> SimpleNamespace:
         split_qkv=qk_norm_rope.split_qkv,  # views only, no launch
         moe_routing=bind(moe.moe_routing),
         fused_moe=bind(moe.fused_moe),
+        moe_ffn=bind(moe_ffn.moe_ffn),
+        moe_ffn_fits=moe_ffn.moe_ffn_fits,  # no launch
     )
 
 
@@ -512,6 +514,7 @@ class Gemma4DecoderLayer(nn.Module):
     pdl = False  # set by Gemma4ForCausalLM.set_pdl
     decode_fusion = False  # set by Gemma4ForCausalLM.set_decode_fusion
     decode_routing = False  # set by Gemma4ForCausalLM.set_decode_fusion (MoE layers: the routing in the down launch)
+    decode_moe_ffn = False  # set by Gemma4ForCausalLM.set_decode_fusion (MoE layers: the FFN block in two launches)
 
     def __init__(self, cfg: Gemma4Config, layer: AttnLayer):
         super().__init__()
@@ -578,12 +581,22 @@ class Gemma4DecoderLayer(nn.Module):
             x = K.rmsnorm(h, self.input_layernorm.weight, eps)
         a = self.self_attn(x, *rope, attn)
         nxt, mults = [self.pre_feedforward_layernorm.weight], [1.0]
-        if self.enable_moe_block:
+        ffn = self._moe_ffn_weights(a, K) if self.decode_moe_ffn else None
+        if ffn is not None:  # the router's product rides in the sandwich's launch (its logits: ys[2])
+            nxt += [self.pre_feedforward_layernorm_2.weight]
+            mults += [1.0]
+        elif self.enable_moe_block:
             nxt += [self.pre_feedforward_layernorm_2.weight, self.router.scale]
             mults += [1.0, self.router.scalar_root_size]
-        r, ys = K.sandwich(a, h, self.post_attention_layernorm.weight, eps, next_weights=nxt, next_mults=mults)
+        router = None if ffn is None else (ffn[0], self.router.scale, self.router.scalar_root_size)
+        r, ys = K.sandwich(
+            a, h, self.post_attention_layernorm.weight, eps, next_weights=nxt, next_mults=mults, router=router
+        )  # fmt: skip
         x2 = None
-        if self.enable_moe_block:  # the router product rides in the dense gate_up's launch where it can
+        if ffn is not None:  # the dense MLP and the experts in two launches
+            m, e = K.moe_ffn(ys[0], ys[1], ys[2], *ffn[1:], self.router.top_k, self.router.per_expert_scale)
+            x2 = (e, self.post_feedforward_layernorm_1.weight, self.post_feedforward_layernorm_2.weight)
+        elif self.enable_moe_block:  # the router product rides in the dense gate_up's launch where it can
             rt = self.router
             route = (rt.top_k, rt.per_expert_scale) if self.decode_routing else None
             m, s = self.mlp.forward_fused(ys[0], side=(ys[2], rt.proj), route=route)
@@ -606,6 +619,20 @@ class Gemma4DecoderLayer(nn.Module):
                 next_weights=last_next,
             )  # fmt: skip
         return h, (ys[0] if ys else None)
+
+    def _moe_ffn_weights(self, a: Tensor, K: SimpleNamespace) -> tuple[Tensor, ...] | None:
+        """(router proj [E, H], dense gate_up [2I, H], dense down [H, I], experts' gate_up, experts' down) when this
+        MoE layer's FFN block can run as `moe_ffn`'s two launches: one row, plain bf16 (or fp32) weights, the dense
+        gate_up merged, bf16 experts (not quantised, not expert-parallel); else None (the separate launches)."""
+        if not self.enable_moe_block or a.shape[0] != 1 or type(self.experts) is not Gemma4Experts:
+            return None
+        w_gu, w_down, w_r = self.mlp.merged_weight(), _plain_weight(self.mlp.down_proj), _plain_weight(self.router.proj)
+        ex = self.experts
+        if w_gu is None or w_down is None or w_r is None or not w_r.is_contiguous() or w_r.dtype != a.dtype:
+            return None
+        if not K.moe_ffn_fits(a, w_gu, w_down, ex.gate_up_proj, ex.down_proj, self.router.top_k):
+            return None
+        return w_r, w_gu, w_down, ex.gate_up_proj, ex.down_proj
 
     def decode_linears(self) -> list:
         """The linears (or merged rows) the fused forward multiplies by."""
@@ -668,14 +695,17 @@ class Gemma4ForCausalLM(nn.Module):
         ``set_decode_gemv``: its timings depend on it."""
         self._set_module_flag("pdl", bool(on))
 
-    def set_decode_fusion(self, on: bool, routed: bool = False) -> None:
+    def set_decode_fusion(self, on: bool, routed: bool = False, moe_ffn: bool = False) -> None:
         """Fewer launches per batch-1 decode layer on the fused path (toggle ``decode_fusion``), each bit-identical to
         the launches it replaces: the down gemv applies GeGLU to the gate_up output as it loads it (no gelu_mul
         launch), and the 26B-A4B router's product shares the dense gate_up's gemv launch (no router launch).
         routed (toggle ``decode_routing``, with on): the MoE routing rides in the dense down product's GLU gemv
-        launch as one more program (``gemv_routed``: no routing launch; the weights to fp32 rounding on the GPU)."""
+        launch as one more program (``gemv_routed``: no routing launch; the weights to fp32 rounding on the GPU).
+        moe_ffn (toggle ``decode_moe_ffn``, with on): a MoE layer's feed-forward block in two launches after the
+        sandwich, which computes the router's product (perfkit/kernels/moe_ffn.py; rounding-level)."""
         self._set_module_flag("decode_fusion", bool(on))
         self._set_module_flag("decode_routing", bool(on and routed))
+        self._set_module_flag("decode_moe_ffn", bool(on and moe_ffn))
 
     def _set_module_flag(self, name: str, value: bool | None) -> bool:
         """``name = value`` on every submodule whose class declares ``name``; whether any does."""
