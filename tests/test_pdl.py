@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from perfkit.config import Toggles  # noqa: E402
 from perfkit.errors import PerfkitError  # noqa: E402
-from perfkit.kernels import gelu_mul, gemv, moe, paged_decode, pdl, qk_norm_rope, rmsnorm  # noqa: E402
+from perfkit.kernels import gelu_mul, gemv, moe, moe_ffn, paged_decode, pdl, qk_norm_rope, rmsnorm  # noqa: E402
 from perfkit.runners.suite import resolve_toggles  # noqa: E402
 from perfkit.runtime import model as model_mod  # noqa: E402
 from perfkit.runtime.engine import TOGGLES, Engine, EngineConfig  # noqa: E402
@@ -28,7 +28,7 @@ from perfkit.runtime.model_config import get_preset  # noqa: E402
 from perfkit.runtime.weights import build_model  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-KERNEL_MODULES = (gelu_mul, gemv, moe, paged_decode, qk_norm_rope, rmsnorm)
+KERNEL_MODULES = (gelu_mul, gemv, moe, moe_ffn, paged_decode, qk_norm_rope, rmsnorm)
 
 
 # ---- launch arguments and availability ----------------------------------------------------------------------
@@ -65,7 +65,8 @@ def test_every_pdl_kernel_waits_before_any_store_or_return():
     names = {n.rsplit(".", 1)[1] for n, _ in kernels}
     assert {"_gemv_kernel", "_rmsnorm_kernel", "_sandwich_kernel", "_gelu_mul_kernel", "_qk_norm_rope_kernel",
             "_qkv_norm_rope_kernel", "_paged_decode_kernel", "_merge_splits_kernel", "_moe_routing_kernel",
-            "_moe_gather_gate_up_kernel", "_moe_gather_down_kernel"} <= names  # fmt: skip
+            "_moe_gather_gate_up_kernel", "_moe_gather_down_kernel", "_moe_ffn_gate_up_kernel",
+            "_moe_ffn_down_kernel"} <= names  # fmt: skip
     for name, src in kernels:
         body = ast.parse(src).body[0].body
         enters = [i for i, st in enumerate(body) if "pdl_enter(PDL)" in ast.unparse(st) and isinstance(st, ast.Expr)]

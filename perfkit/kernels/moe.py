@@ -481,8 +481,9 @@ def _moe_gather_gate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + t * stride_x + offs_k  # [BLOCK_K]
     if PREFETCH:  # a weight-0 pair runs no step at all
-        a = _gate_up_prefetch(x_ptrs, w_ptr + e * stride_we, inter, h_live, stride_wn, offs_n, offs_k, BLOCK_N,
-                              BLOCK_K, EVICT_FIRST, 0)  # fmt: skip
+        g_ptrs, u_ptrs = _gate_up_ptrs(w_ptr + e * stride_we, inter, stride_wn, offs_n, offs_k)
+        g, u = _gate_up_first(g_ptrs, u_ptrs, h_live, offs_k, BLOCK_K, EVICT_FIRST)
+        a = _gate_up_rest(g, u, x_ptrs, g_ptrs, u_ptrs, h_live, offs_k, BLOCK_N, BLOCK_K, EVICT_FIRST)
     else:
         g_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
         u_ptrs = g_ptrs + inter * stride_wn
@@ -502,24 +503,36 @@ def _moe_gather_gate_up_kernel(
 
 
 @triton.jit
-def _gate_up_prefetch(
-    x_ptrs, w_base, inter, h_live, stride_wn, offs_n, offs_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVICT_FIRST: tl.constexpr, WAIT: tl.constexpr,
-):  # fmt: skip
-    """gelu_tanh(x . Wg[n]) * (x . Wu[n]) for the BLOCK_N rows offs_n of one [2 * inter, H] gate_up weight at
-    w_base (gate rows, then up) -> fp32 [BLOCK_N]; the first h_live columns (H, or 0 for a pair that reads
-    nothing). x_ptrs [BLOCK_K]: the input's first chunk. Unmasked steps, the next step's tiles loaded before this
-    one's FMAs; rows past inter re-read row inter - 1 (the caller masks its store). WAIT: pdl_enter after the
-    first tiles are in flight (the weight is constant, x comes from the kernel before); 0 if the caller waited."""
+def _gate_up_ptrs(w_base, inter, stride_wn, offs_n, offs_k):
+    """The gate and up rows offs_n of one [2 * inter, H] gate_up weight at w_base (gate rows, then up), first
+    chunk: two [BLOCK_N, BLOCK_K] pointer tiles. Rows past inter point at row inter - 1 (the caller masks its
+    store)."""
     rn = tl.minimum(offs_n, inter - 1).to(tl.int64)
-    g_ptrs = w_base + rn[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-    u_ptrs = g_ptrs + inter * stride_wn
+    g_ptrs = w_base + rn[:, None] * stride_wn + offs_k[None, :]
+    return g_ptrs, g_ptrs + inter * stride_wn
+
+
+@triton.jit
+def _gate_up_first(g_ptrs, u_ptrs, h_live, offs_k, BLOCK_K: tl.constexpr, EVICT_FIRST: tl.constexpr):
+    """The first gate / up weight tiles of `_gate_up_rest`'s loop (none when h_live < BLOCK_K). A kernel may issue
+    them before its PDL wait: weights are constant."""
     evict: tl.constexpr = "evict_first" if EVICT_FIRST else ""
-    h_main = h_live // BLOCK_K * BLOCK_K
-    first = (offs_k < h_main)[None, :]
+    first = (offs_k < h_live // BLOCK_K * BLOCK_K)[None, :]
     g = tl.load(g_ptrs, mask=first, other=0.0, eviction_policy=evict)
     u = tl.load(u_ptrs, mask=first, other=0.0, eviction_policy=evict)
-    pdl_enter(WAIT)
+    return g, u
+
+
+@triton.jit
+def _gate_up_rest(
+    g, u, x_ptrs, g_ptrs, u_ptrs, h_live, offs_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
+):  # fmt: skip
+    """gelu_tanh(x . Wg[n]) * (x . Wu[n]) -> fp32 [BLOCK_N] over the first h_live columns (H, or 0 for a pair that
+    reads nothing), from `_gate_up_first`'s tiles g / u. x_ptrs [BLOCK_K]: the input's first chunk. Unmasked steps,
+    the next step's tiles loaded before this one's FMAs, then one masked tail step."""
+    evict: tl.constexpr = "evict_first" if EVICT_FIRST else ""
+    h_main = h_live // BLOCK_K * BLOCK_K
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, h_main, BLOCK_K):
@@ -578,7 +591,8 @@ def _moe_gather_down_kernel(
         rn = tl.minimum(offs_n, H - 1).to(tl.int64)
         w_ptrs = w_ptr + es[:, None, None] * stride_we + (rn * stride_wn)[None, :, None] + offs_k[None, None, :]
         a_ptrs = act_ptr + (slots * stride_act)[:, None] + offs_k[None, :]  # [TOP_K, BLOCK_K]
-        y = _down_prefetch(a_ptrs, w_ptrs, wts, live, inter, TOP_K, BLOCK_N, BLOCK_K, EVICT_FIRST, 0)
+        wv = _down_first(w_ptrs, live, inter, BLOCK_K, EVICT_FIRST)
+        y = _down_rest(wv, a_ptrs, w_ptrs, wts, live, inter, TOP_K, BLOCK_N, BLOCK_K, EVICT_FIRST)
     else:
         w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K], expert 0
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -596,20 +610,27 @@ def _moe_gather_down_kernel(
 
 
 @triton.jit
-def _down_prefetch(
-    a_ptrs, w_ptrs, wts, live, inter, S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVICT_FIRST: tl.constexpr, WAIT: tl.constexpr,
+def _down_first(w_ptrs, live, inter, BLOCK_K: tl.constexpr, EVICT_FIRST: tl.constexpr):
+    """The first weight tiles of `_down_rest`'s loop (w_ptrs [S, BLOCK_N, BLOCK_K], live [S, 1, 1]); a kernel may
+    issue them before its PDL wait: weights are constant."""
+    evict: tl.constexpr = "evict_first" if EVICT_FIRST else ""
+    offs_k = tl.arange(0, BLOCK_K)
+    return tl.load(w_ptrs, mask=live & (offs_k < inter // BLOCK_K * BLOCK_K)[None, None, :], other=0.0,
+                   eviction_policy=evict)  # fmt: skip
+
+
+@triton.jit
+def _down_rest(
+    wv, a_ptrs, w_ptrs, wts, live, inter, S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
 ):  # fmt: skip
-    """sum_s wts[s] * (a_s . W_s[n]) over S slots -> fp32 [BLOCK_N]: a_ptrs [S, BLOCK_K] the slots' activation rows,
-    w_ptrs [S, BLOCK_N, BLOCK_K] their weight rows (first chunk), both of length inter; live [S, 1, 1]: slots that
-    read their weight (others add 0). The S tiles are one load, the next step's loaded before this one's FMAs;
-    summed per lane, then over S once at the end. WAIT: pdl_enter after the first weight tiles are in flight (the
-    activations come from the kernel before); 0 if the caller waited."""
+    """sum_s wts[s] * (a_s . W_s[n]) over S slots -> fp32 [BLOCK_N], from `_down_first`'s tiles wv: a_ptrs
+    [S, BLOCK_K] the slots' activation rows, w_ptrs [S, BLOCK_N, BLOCK_K] their weight rows (first chunk), both of
+    length inter; live [S, 1, 1]: slots that read their weight (others add 0). The S tiles are one load, the next
+    step's loaded before this one's FMAs; summed per lane, then over S once at the end."""
     evict: tl.constexpr = "evict_first" if EVICT_FIRST else ""
     offs_k = tl.arange(0, BLOCK_K)
     i_main = inter // BLOCK_K * BLOCK_K
-    wv = tl.load(w_ptrs, mask=live & (offs_k < i_main)[None, None, :], other=0.0, eviction_policy=evict)
-    pdl_enter(WAIT)
     acc3 = tl.zeros([S, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, i_main, BLOCK_K):
         a = tl.load(a_ptrs + k0).to(tl.float32) * wts[:, None]  # [S, BLOCK_K]

@@ -19,7 +19,7 @@ chain time, PDL hides the launch, not the work). Here the router's product rides
 
 Dense programs load their first weight tiles before the PDL wait (their weights are constant and their rows do
 not depend on the routing); expert programs wait first, since the routing picks their weights. The per-program
-bodies are the bf16 gather kernels' (``moe._gate_up_prefetch`` / ``moe._down_prefetch``), so the experts' products
+bodies are the bf16 gather kernels' (``moe._gate_up_*`` / ``moe._down_*``), so the experts' products
 equal ``fused_moe``'s gather path bit for bit given the same routing, and the routing equals ``moe_routing``'s
 (``moe._topk_row``). The dense branch rounds once (gelu(g) * u from fp32 g, u, stored in x's dtype) where the
 separate path rounds g and u first: about one bf16 ulp apart.
@@ -34,7 +34,16 @@ import torch
 import triton
 import triton.language as tl
 
-from perfkit.kernels.moe import _down_prefetch, _gate_up_prefetch, _topk_row, fused_moe_ref, moe_routing_ref
+from perfkit.kernels.moe import (
+    _down_first,
+    _down_rest,
+    _gate_up_first,
+    _gate_up_ptrs,
+    _gate_up_rest,
+    _topk_row,
+    fused_moe_ref,
+    moe_routing_ref,
+)
 from perfkit.kernels.pdl import pdl_enter, pdl_launch
 
 # The gather kernels' batch-1 tiles (moe.GATHER_GATE_UP_PREFETCH_TILES / GATHER_DOWN_TILES: the H200 sweep of 12-06)
@@ -71,18 +80,22 @@ def _moe_ffn_gate_up_kernel(
 ):
     pid = tl.program_id(0)
     nb_d = tl.cdiv(I_d, BLOCK_N)
+    dense = pid < nb_d
     offs_k = tl.arange(0, BLOCK_K)
     lanes = tl.arange(0, BLOCK_N)
-    if pid < nb_d:  # dense rows: the first weight tiles in flight before the wait
-        offs_n = pid * BLOCK_N + lanes
-        a = _gate_up_prefetch(xd_ptr + offs_k, wd_ptr, I_d, H, stride_wd, offs_n, offs_k, BLOCK_N, BLOCK_K, 1, PDL)
-        tl.store(hd_ptr + offs_n, a.to(hd_ptr.dtype.element_ty), mask=offs_n < I_d)
-    else:  # one routed slot's rows: the routing first (the logits come from the sandwich just before)
+    # a dense program's first weight tiles in flight before the wait (constant); an expert program loads none here
+    offs_d = pid * BLOCK_N + lanes
+    gd_ptrs, ud_ptrs = _gate_up_ptrs(wd_ptr, I_d, stride_wd, offs_d, offs_k)
+    gd, ud = _gate_up_first(gd_ptrs, ud_ptrs, H * dense.to(tl.int32), offs_k, BLOCK_K, 1)
+    pdl_enter(PDL)  # x, x2 and the logits come from the sandwich just before
+    if dense:
+        a = _gate_up_rest(gd, ud, xd_ptr + offs_k, gd_ptrs, ud_ptrs, H, offs_k, BLOCK_N, BLOCK_K, 1)
+        tl.store(hd_ptr + offs_d, a.to(hd_ptr.dtype.element_ty), mask=offs_d < I_d)
+    else:  # one routed slot's rows: the routing first, then its expert's weights
         nb_e = tl.cdiv(I_e, BLOCK_N)
         q = pid - nb_d
         k = q // nb_e
         blk = q % nb_e
-        pdl_enter(PDL)
         wv, iv = _topk_row(logits_ptr, 0, 0, scale_ptr, E, TOP_K, BLOCK_TOPK, BLOCK_E)
         kk = tl.arange(0, BLOCK_TOPK)
         e = tl.sum(tl.where(kk == k, iv, 0), axis=0).to(tl.int64)
@@ -91,8 +104,9 @@ def _moe_ffn_gate_up_kernel(
         tl.store(rw_ptr + kk, wv, mask=mine)
         tl.store(ridx_ptr + kk, iv, mask=mine)
         offs_n = blk * BLOCK_N + lanes
-        a = _gate_up_prefetch(xe_ptr + offs_k, we_ptr + e * stride_we, I_e, H, stride_wen, offs_n, offs_k, BLOCK_N,
-                              BLOCK_K, 1, 0)  # fmt: skip
+        g_ptrs, u_ptrs = _gate_up_ptrs(we_ptr + e * stride_we, I_e, stride_wen, offs_n, offs_k)
+        g, u = _gate_up_first(g_ptrs, u_ptrs, H, offs_k, BLOCK_K, 1)
+        a = _gate_up_rest(g, u, xe_ptr + offs_k, g_ptrs, u_ptrs, H, offs_k, BLOCK_N, BLOCK_K, 1)
         tl.store(act_ptr + k * stride_act + offs_n, a.to(act_ptr.dtype.element_ty), mask=offs_n < I_e)
 
 
@@ -120,25 +134,31 @@ def _moe_ffn_down_kernel(
 ):
     pid = tl.program_id(0)
     nb = tl.cdiv(H, BLOCK_N)
+    dense = pid < nb
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = (pid % nb) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = tl.minimum(offs_n, H - 1).to(tl.int64)  # rows past H re-read row H - 1 (never stored)
-    if pid < nb:  # one "slot" of weight 1: the first weight tiles in flight before the wait
-        # (names differ from the other branch's: a variable of both branches must keep one shape)
-        one = tl.arange(0, 1)
-        wd_ptrs = wd_ptr + (rn * stride_wd)[None, :, None] + offs_k[None, None, :]  # [1, BLOCK_N, BLOCK_K]
+    # the dense product as one "slot" of weight 1; its first weight tiles in flight before the wait (constant); an
+    # expert program loads none here (live 0)
+    one = tl.arange(0, 1)
+    wd_ptrs = wd_ptr + (rn * stride_wd)[None, :, None] + offs_k[None, None, :]  # [1, BLOCK_N, BLOCK_K]
+    live_d = (one < dense.to(tl.int32))[:, None, None]
+    wvd = _down_first(wd_ptrs, live_d, I_d, BLOCK_K, 1)
+    pdl_enter(PDL)  # h_d, act and the routing come from the gate_up launch just before
+    if dense:
         hd_ptrs = hd_ptr + one[:, None] * 0 + offs_k[None, :]  # [1, BLOCK_K]
         ones = tl.full([1], 1.0, tl.float32)
-        y = _down_prefetch(hd_ptrs, wd_ptrs, ones, (one == 0)[:, None, None], I_d, 1, BLOCK_N, BLOCK_K, 1, PDL)
+        y = _down_rest(wvd, hd_ptrs, wd_ptrs, ones, live_d, I_d, 1, BLOCK_N, BLOCK_K, 1)
         tl.store(m_ptr + offs_n, y.to(m_ptr.dtype.element_ty), mask=offs_n < H)
-    else:  # the routed slots (ids and weights from the gate_up launch just before)
-        pdl_enter(PDL)
+    else:  # the routed slots
         slots = tl.arange(0, TOP_K)
         es = tl.load(ridx_ptr + slots).to(tl.int64)
         wts = tl.load(rw_ptr + slots).to(tl.float32)
-        w_ptrs = we_ptr + es[:, None, None] * stride_we + (rn * stride_wen)[None, :, None] + offs_k[None, None, :]
-        a_ptrs = act_ptr + (slots * stride_act)[:, None] + offs_k[None, :]  # [TOP_K, BLOCK_K]
-        y = _down_prefetch(a_ptrs, w_ptrs, wts, (wts != 0)[:, None, None], I_e, TOP_K, BLOCK_N, BLOCK_K, 1, 0)
+        live = (wts != 0)[:, None, None]
+        we_ptrs = we_ptr + es[:, None, None] * stride_we + (rn * stride_wen)[None, :, None] + offs_k[None, None, :]
+        act_ptrs = act_ptr + (slots * stride_act)[:, None] + offs_k[None, :]  # [TOP_K, BLOCK_K]
+        wve = _down_first(we_ptrs, live, I_e, BLOCK_K, 1)
+        y = _down_rest(wve, act_ptrs, we_ptrs, wts, live, I_e, TOP_K, BLOCK_N, BLOCK_K, 1)
         tl.store(e_ptr + offs_n, y.to(e_ptr.dtype.element_ty), mask=offs_n < H)
 
 

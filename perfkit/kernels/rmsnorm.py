@@ -132,27 +132,26 @@ def _sandwich_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     cm = cols < N
-    if HAS_ROUTER:
+    if HAS_ROUTER:  # program (row, j >= 1): router rows [(j-1) R, j R), their weight in flight before the wait
         j = tl.program_id(1)
-        if j > 0:  # router rows [(j-1) R, j R): their weight in flight before the wait (it is constant)
-            r = (j - 1) * ROUTER_ROWS + tl.arange(0, ROUTER_ROWS)
-            wt = tl.load(rw_ptr + r[:, None] * N + cols[None, :], mask=(r < E)[:, None] & cm[None, :], other=0.0)
-            pdl_enter(PDL)
-            h = _sandwich_h(x_ptr, x2_ptr, wa_ptr, wb_ptr, res_ptr, w_ptr, scalar_ptr, row, N, stride_x, stride_x2,
-                            stride_r, eps, cols, cm, HAS_X2, HAS_SCALAR)  # fmt: skip
-            # the router's input exactly as a stored pre-norm output (rounded to x's dtype), then its product
+        r = (j - 1) * ROUTER_ROWS + tl.arange(0, ROUTER_ROWS)  # negative (nothing loaded) for program (row, 0)
+        wt = tl.load(rw_ptr + r[:, None] * N + cols[None, :], mask=((r >= 0) & (r < E))[:, None] & cm[None, :],
+                     other=0.0)  # fmt: skip
+    pdl_enter(PDL)
+    h = _sandwich_h(x_ptr, x2_ptr, wa_ptr, wb_ptr, res_ptr, w_ptr, scalar_ptr, row, N, stride_x, stride_x2, stride_r,
+                    eps, cols, cm, HAS_X2, HAS_SCALAR)  # fmt: skip
+    if HAS_ROUTER:
+        if j > 0:  # the router's input exactly as a stored pre-norm output (rounded to x's dtype), its product
             y = _norm_row(h, N, eps) * tl.load(rn_ptr + cols, mask=cm, other=0.0).to(tl.float32) * rmult
             y = y.to(logits_ptr.dtype.element_ty).to(tl.float32)
             z = tl.sum(wt.to(tl.float32) * y[None, :], axis=1)  # [ROUTER_ROWS]
-            tl.store(logits_ptr + row * E + r, z.to(logits_ptr.dtype.element_ty), mask=r < E)
+            tl.store(logits_ptr + row * E + r, z.to(logits_ptr.dtype.element_ty), mask=(r >= 0) & (r < E))
         else:
-            _sandwich_main(x_ptr, x2_ptr, wa_ptr, wb_ptr, res_ptr, w_ptr, scalar_ptr, h_ptr, w1_ptr, w2_ptr, w3_ptr,
-                           y1_ptr, y2_ptr, y3_ptr, row, N, stride_x, stride_x2, stride_r, eps, mult1, mult2, mult3,
-                           cols, cm, HAS_X2, HAS_SCALAR, NUM_NEXT, PDL)  # fmt: skip
+            _sandwich_outputs(h, h_ptr, w1_ptr, w2_ptr, w3_ptr, y1_ptr, y2_ptr, y3_ptr, row, N, eps, mult1, mult2,
+                              mult3, cols, cm, NUM_NEXT)  # fmt: skip
     else:
-        _sandwich_main(x_ptr, x2_ptr, wa_ptr, wb_ptr, res_ptr, w_ptr, scalar_ptr, h_ptr, w1_ptr, w2_ptr, w3_ptr,
-                       y1_ptr, y2_ptr, y3_ptr, row, N, stride_x, stride_x2, stride_r, eps, mult1, mult2, mult3,
-                       cols, cm, HAS_X2, HAS_SCALAR, NUM_NEXT, PDL)  # fmt: skip
+        _sandwich_outputs(h, h_ptr, w1_ptr, w2_ptr, w3_ptr, y1_ptr, y2_ptr, y3_ptr, row, N, eps, mult1, mult2, mult3,
+                          cols, cm, NUM_NEXT)  # fmt: skip
 
 
 @triton.jit
@@ -173,13 +172,9 @@ def _sandwich_h(x_ptr, x2_ptr, wa_ptr, wb_ptr, res_ptr, w_ptr, scalar_ptr, row, 
 
 
 @triton.jit
-def _sandwich_main(x_ptr, x2_ptr, wa_ptr, wb_ptr, res_ptr, w_ptr, scalar_ptr, h_ptr, w1_ptr, w2_ptr, w3_ptr, y1_ptr,
-                   y2_ptr, y3_ptr, row, N, stride_x, stride_x2, stride_r, eps, mult1, mult2, mult3, cols, cm,
-                   HAS_X2: tl.constexpr, HAS_SCALAR: tl.constexpr, NUM_NEXT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def _sandwich_outputs(h, h_ptr, w1_ptr, w2_ptr, w3_ptr, y1_ptr, y2_ptr, y3_ptr, row, N, eps, mult1, mult2, mult3, cols,
+                      cm, NUM_NEXT: tl.constexpr):  # fmt: skip
     """Program (row, 0): h stored, then the following pre-norms."""
-    pdl_enter(PDL)
-    h = _sandwich_h(x_ptr, x2_ptr, wa_ptr, wb_ptr, res_ptr, w_ptr, scalar_ptr, row, N, stride_x, stride_x2, stride_r,
-                    eps, cols, cm, HAS_X2, HAS_SCALAR)  # fmt: skip
     tl.store(h_ptr + row * N + cols, h.to(h_ptr.dtype.element_ty), mask=cm)
     if NUM_NEXT > 0:
         hn = _norm_row(h, N, eps)
