@@ -55,6 +55,8 @@ def test_moe_ffn_is_the_reference_and_the_gather_path(top_k):
     torch.testing.assert_close(e, e_ref, rtol=1e-5, atol=1e-5)
     w, idx = moe.moe_routing(logits, top_k, scale)
     assert torch.equal(e, moe.fused_moe(x2, egu, ed, w, idx, path="gather"))
+    m2, e2 = moe_ffn(x, x2, logits * 0, wgu, wd, egu, ed, top_k, scale, routing=(w, idx))  # routed before: read
+    assert torch.equal(m2, m) and torch.equal(e2, e)
 
 
 def test_moe_ffn_bf16_and_odd_widths():

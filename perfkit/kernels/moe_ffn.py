@@ -76,6 +76,7 @@ def _moe_ffn_gate_up_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ROUTED: tl.constexpr = 1,  # 1: route in every expert program; 0: (rw, ridx) given by a routing launch before
     PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
 ):
     pid = tl.program_id(0)
@@ -96,13 +97,16 @@ def _moe_ffn_gate_up_kernel(
         q = pid - nb_d
         k = q // nb_e
         blk = q % nb_e
-        wv, iv = _topk_row(logits_ptr, 0, 0, scale_ptr, E, TOP_K, BLOCK_TOPK, BLOCK_E)
-        kk = tl.arange(0, BLOCK_TOPK)
-        e = tl.sum(tl.where(kk == k, iv, 0), axis=0).to(tl.int64)
-        mine = kk == k + BLOCK_TOPK * (blk != 0).to(tl.int32)  # the slot's first block publishes its routing
-        # for the down launch (a lane index past BLOCK_TOPK elsewhere: the interpreter refuses scalar & tensor)
-        tl.store(rw_ptr + kk, wv, mask=mine)
-        tl.store(ridx_ptr + kk, iv, mask=mine)
+        if ROUTED:
+            wv, iv = _topk_row(logits_ptr, 0, 0, scale_ptr, E, TOP_K, BLOCK_TOPK, BLOCK_E)
+            kk = tl.arange(0, BLOCK_TOPK)
+            e = tl.sum(tl.where(kk == k, iv, 0), axis=0).to(tl.int64)
+            mine = kk == k + BLOCK_TOPK * (blk != 0).to(tl.int32)  # the slot's first block publishes its routing
+            # for the down launch (a lane index past BLOCK_TOPK elsewhere: the interpreter refuses scalar & tensor)
+            tl.store(rw_ptr + kk, wv, mask=mine)
+            tl.store(ridx_ptr + kk, iv, mask=mine)
+        else:
+            e = tl.load(ridx_ptr + k).to(tl.int64)
         offs_n = blk * BLOCK_N + lanes
         g_ptrs, u_ptrs = _gate_up_ptrs(we_ptr + e * stride_we, I_e, stride_wen, offs_n, offs_k)
         g, u = _gate_up_first(g_ptrs, u_ptrs, H, offs_k, BLOCK_K, 1)
@@ -187,35 +191,74 @@ def moe_ffn(
     top_k: int,
     per_expert_scale: torch.Tensor,
     pdl: bool = False,
+    routing: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token's dense MLP and routed experts in two launches -> (m [1, H], e [1, H]) in x's dtype.
 
     x / x2: [1, H] the dense / experts' inputs; logits [1, E] the router's; w_gate_up [2 I_d, H] (gate rows, then
     up), w_down [H, I_d]; experts_gate_up [E, 2 I_e, H], experts_down [E, H, I_e]; top_k a power of 2.
-    pdl: launch both with programmatic dependent launch (perfkit/kernels/pdl.py; sm_90+ only)."""
+    routing: (w fp32 [1, K], ids int32 [1, K]) from a routing launch before, which the gate_up launch then reads
+    instead of routing in every expert program (logits unused). pdl: launch both with programmatic dependent
+    launch (perfkit/kernels/pdl.py; sm_90+ only)."""
     if not moe_ffn_fits(x, w_gate_up, w_down, experts_gate_up, experts_down, top_k):
         raise ValueError("moe_ffn: needs one row, weights in x's dtype with unit column stride, matching widths "
                          f"and a power-of-2 top_k (x {tuple(x.shape)}, top_k {top_k})")  # fmt: skip
     if x2.shape != x.shape or logits.dim() != 2 or logits.shape[0] != 1:
         raise ValueError(f"moe_ffn: x2 {tuple(x2.shape)} must equal x {tuple(x.shape)}, logits [1, E]")
-    E, I_e, H = experts_down.shape[0], experts_down.shape[2], x.shape[1]
-    I_d = w_down.shape[1]
+    h_d, act, rw, ridx = moe_ffn_gate_up(
+        x, x2, logits, w_gate_up, experts_gate_up, top_k, per_expert_scale, pdl=pdl, routing=routing
+    )  # fmt: skip
+    return moe_ffn_down(h_d, act, rw, ridx, w_down, experts_down, pdl=pdl)
+
+
+def moe_ffn_gate_up(
+    x: torch.Tensor,
+    x2: torch.Tensor,
+    logits: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    experts_gate_up: torch.Tensor,
+    top_k: int,
+    per_expert_scale: torch.Tensor,
+    pdl: bool = False,
+    routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`moe_ffn`'s first launch (inputs as moe_ffn checks them) -> (h_d [1, I_d], act [K, I_e], routing w fp32
+    [1, K], ids int32 [1, K])."""
+    I_d, H = w_gate_up.shape[0] // 2, x.shape[1]
+    E, I_e = experts_gate_up.shape[0], experts_gate_up.shape[1] // 2
     x, x2, logits = x.contiguous(), x2.contiguous(), logits.contiguous()
     dev, dt = x.device, x.dtype
     h_d = torch.empty((1, I_d), dtype=dt, device=dev)
     act = torch.empty((top_k, I_e), dtype=dt, device=dev)
-    rw = torch.empty((1, top_k), dtype=torch.float32, device=dev)
-    ridx = torch.empty((1, top_k), dtype=torch.int32, device=dev)
+    if routing is None:
+        rw = torch.empty((1, top_k), dtype=torch.float32, device=dev)
+        ridx = torch.empty((1, top_k), dtype=torch.int32, device=dev)
+    else:
+        rw, ridx = routing
     t1 = GATE_UP_TILES
-    bn = t1["BLOCK_N"]
-    grid1 = triton.cdiv(I_d, bn) + top_k * triton.cdiv(I_e, bn)
-    _moe_ffn_gate_up_kernel[(grid1,)](
+    grid = triton.cdiv(I_d, t1["BLOCK_N"]) + top_k * triton.cdiv(I_e, t1["BLOCK_N"])
+    _moe_ffn_gate_up_kernel[(grid,)](
         x, x2, w_gate_up, experts_gate_up, h_d, act, logits, per_expert_scale, rw, ridx, I_d, I_e, H, E,
         w_gate_up.stride(0), experts_gate_up.stride(0), experts_gate_up.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_TOPK=top_k, BLOCK_E=triton.next_power_of_2(E), **t1, **pdl_launch(pdl),
+        TOP_K=top_k, BLOCK_TOPK=top_k, BLOCK_E=triton.next_power_of_2(E), **t1, ROUTED=int(routing is None),
+        **pdl_launch(pdl),
     )  # fmt: skip
-    m = torch.empty((1, H), dtype=dt, device=dev)
-    e = torch.empty((1, H), dtype=dt, device=dev)
+    return h_d, act, rw, ridx
+
+
+def moe_ffn_down(
+    h_d: torch.Tensor,
+    act: torch.Tensor,
+    rw: torch.Tensor,
+    ridx: torch.Tensor,
+    w_down: torch.Tensor,
+    experts_down: torch.Tensor,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`moe_ffn`'s second launch: (h_d, act, w, ids) of :func:`moe_ffn_gate_up` -> (m [1, H], e [1, H])."""
+    H, I_d, I_e, top_k = w_down.shape[0], w_down.shape[1], experts_down.shape[2], act.shape[0]
+    m = torch.empty((1, H), dtype=h_d.dtype, device=h_d.device)
+    e = torch.empty((1, H), dtype=h_d.dtype, device=h_d.device)
     t2 = DOWN_TILES
     _moe_ffn_down_kernel[(2 * triton.cdiv(H, t2["BLOCK_N"]),)](
         h_d, w_down, act, experts_down, rw, ridx, m, e, H, I_d, I_e,
