@@ -140,12 +140,14 @@ rows = []
 ptrs = ("xd_ptr", "xe_ptr", "wd_ptr", "we_ptr", "hd_ptr", "act_ptr", "logits_ptr")
 sig = dict.fromkeys(ptrs, "*bf16") | {"scale_ptr": "*fp32", "rw_ptr": "*fp32", "ridx_ptr": "*i32"}
 sig |= dict.fromkeys(("I_d", "I_e", "H", "E", "stride_wd", "stride_we", "stride_wen", "stride_act"), "i32")
-rows.append(compile(mf._moe_ffn_gate_up_kernel, sig, {"TOP_K": 8, "BLOCK_TOPK": 8, "BLOCK_E": 128, "BLOCK_N": 8,
-                                                      "BLOCK_K": 256, "PDL": 1}, 2))
+for routed in (1, 0):  # (ASTSource applies no defaults: every constexpr given)
+    rows.append(compile(mf._moe_ffn_gate_up_kernel, sig, {"TOP_K": 8, "BLOCK_TOPK": 8, "BLOCK_E": 128, "BLOCK_N": 8,
+                                                          "BLOCK_K": 256, "ROUTED": routed, "PDL": 1}, 2))
 ptrs = ("hd_ptr", "wd_ptr", "act_ptr", "we_ptr", "m_ptr", "e_ptr")
 sig = dict.fromkeys(ptrs, "*bf16") | {"rw_ptr": "*fp32", "ridx_ptr": "*i32"}
 sig |= dict.fromkeys(("H", "I_d", "I_e", "stride_wd", "stride_we", "stride_wen", "stride_act"), "i32")
-rows.append(compile(mf._moe_ffn_down_kernel, sig, {"TOP_K": 8, "BLOCK_N": 8, "BLOCK_K": 128, "PDL": 1}, 4))
+rows.append(compile(mf._moe_ffn_down_kernel, sig, {"TOP_K": 8, "D_SLOTS": 8, "D_SLOT": 264, "BLOCK_N": 8,
+                                                   "BLOCK_K": 128, "PDL": 1}, 4))
 ptrs = ("x_ptr", "x2_ptr", "wa_ptr", "wb_ptr", "res_ptr", "w_ptr", "scalar_ptr", "h_ptr", "w1_ptr", "w2_ptr",
         "w3_ptr", "y1_ptr", "y2_ptr", "y3_ptr", "rw_ptr", "rn_ptr", "logits_ptr")
 sig = dict.fromkeys(ptrs, "*bf16") | dict.fromkeys(("N", "stride_x", "stride_x2", "stride_r", "E"), "i32")
@@ -163,7 +165,7 @@ def test_kernels_compile_for_sm90():
     FFN kernels and the sandwich with and without its router programs, with PDL."""
     from aot import sm90_rows
 
-    assert sm90_rows(_SM90_COMPILE) == [True] * 5
+    assert sm90_rows(_SM90_COMPILE) == [True] * 6
 
 
 # ---- the model and the engine ------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ chain time, PDL hides the launch, not the work). Here the router's product rides
                                             (w, ids) = top-k(logits) in every program (128 logits, cheap),
                                             act[k, n] = gelu_tanh(x2 . Wg_ids[k][n]) * (x2 . Wu_ids[k][n])
                                             the first block of slot k stores (w[k], ids[k])
-    down      programs [0, nb):             m[n] = Wd_d[n] . h_d
+    down      programs [0, nb):             m[n] = Wd_d[n] . h_d     (the row as K column slots, like the experts')
               programs [nb, 2 nb):          e[n] = sum_k w[k] * (act[k] . Wd_ids[k][n])
 
 Dense programs load their first weight tiles before the PDL wait (their weights are constant and their rows do
@@ -132,6 +132,8 @@ def _moe_ffn_down_kernel(
     stride_wen,
     stride_act,
     TOP_K: tl.constexpr,  # a power of 2 (one [TOP_K, BLOCK_N, BLOCK_K] load per step)
+    D_SLOTS: tl.constexpr,  # the dense row's I_d columns as D_SLOTS "slots" of D_SLOT (a power of 2; see below)
+    D_SLOT: tl.constexpr,  # I_d // D_SLOTS (a constexpr: the compiler then knows each slot's 16-byte alignment)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = 0,
@@ -142,17 +144,19 @@ def _moe_ffn_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = (pid % nb) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = tl.minimum(offs_n, H - 1).to(tl.int64)  # rows past H re-read row H - 1 (never stored)
-    # the dense product as one "slot" of weight 1; its first weight tiles in flight before the wait (constant); an
-    # expert program loads none here (live 0)
-    one = tl.arange(0, 1)
-    wd_ptrs = wd_ptr + (rn * stride_wd)[None, :, None] + offs_k[None, None, :]  # [1, BLOCK_N, BLOCK_K]
-    live_d = (one < dense.to(tl.int32))[:, None, None]
-    wvd = _down_first(wd_ptrs, live_d, I_d, BLOCK_K, 1)
+    # the dense product's row split into D_SLOTS column ranges taken as slots of weight 1, so that one step loads
+    # D_SLOTS tiles as the experts' does (one [1, BLOCK_N, BLOCK_K] tile per step made this branch latency-bound:
+    # 12-11 ffn_probe, 18.9 us for the launch); its first tiles in flight before the wait (the weight is
+    # constant); an expert program loads none here (live 0)
+    ds = tl.arange(0, D_SLOTS)
+    wd_ptrs = wd_ptr + (ds * D_SLOT)[:, None, None] + (rn * stride_wd)[None, :, None] + offs_k[None, None, :]
+    live_d = (ds < D_SLOTS * dense.to(tl.int32))[:, None, None]
+    wvd = _down_first(wd_ptrs, live_d, D_SLOT, BLOCK_K, 1)
     pdl_enter(PDL)  # h_d, act and the routing come from the gate_up launch just before
     if dense:
-        hd_ptrs = hd_ptr + one[:, None] * 0 + offs_k[None, :]  # [1, BLOCK_K]
-        ones = tl.full([1], 1.0, tl.float32)
-        y = _down_rest(wvd, hd_ptrs, wd_ptrs, ones, live_d, I_d, 1, BLOCK_N, BLOCK_K, 1)
+        hd_ptrs = hd_ptr + (ds * D_SLOT)[:, None] + offs_k[None, :]  # [D_SLOTS, BLOCK_K]
+        ones = tl.full([D_SLOTS], 1.0, tl.float32)
+        y = _down_rest(wvd, hd_ptrs, wd_ptrs, ones, live_d, D_SLOT, D_SLOTS, BLOCK_N, BLOCK_K, 1)
         tl.store(m_ptr + offs_n, y.to(m_ptr.dtype.element_ty), mask=offs_n < H)
     else:  # the routed slots
         slots = tl.arange(0, TOP_K)
@@ -260,10 +264,11 @@ def moe_ffn_down(
     m = torch.empty((1, H), dtype=h_d.dtype, device=h_d.device)
     e = torch.empty((1, H), dtype=h_d.dtype, device=h_d.device)
     t2 = DOWN_TILES
+    d_slots = top_k if I_d % top_k == 0 else 1
     _moe_ffn_down_kernel[(2 * triton.cdiv(H, t2["BLOCK_N"]),)](
         h_d, w_down, act, experts_down, rw, ridx, m, e, H, I_d, I_e,
         w_down.stride(0), experts_down.stride(0), experts_down.stride(1), act.stride(0),
-        TOP_K=top_k, **t2, **pdl_launch(pdl),
+        TOP_K=top_k, D_SLOTS=d_slots, D_SLOT=I_d // d_slots, **t2, **pdl_launch(pdl),
     )  # fmt: skip
     return m, e
 

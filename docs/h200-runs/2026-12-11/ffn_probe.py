@@ -10,7 +10,7 @@ LAYERS distinct weight sets cycled so that no weight is re-read from L2), PDL on
   sw3 / swr     the two sandwiches alone: 3 pre-norms / 2 pre-norms + the router's programs
   pair_routed   gemv_pair -> gemv_routed            gather       the gather path's two kernels
   ffn_gu        the fused gate_up alone             ffn_gu_pre   the same reading a given routing
-  ffn_dn        the fused down alone
+  ffn_dn        the fused down alone                gather_gu / gather_dn   the gather path's kernels alone
 
 One JSON line per arm: the median us per link over REPLAYS replays (arms interleaved).
 Run on the device: python3 docs/h200-runs/2026-12-11/ffn_probe.py > $OUT/ffn_probe.jsonl
@@ -76,6 +76,9 @@ def main():
     x0 = sw3(layers[0], False)
     xs = [x0[0], x0[1], fixed["logits"]]
     h_d, act, rw, ridx = moe_ffn_gate_up(*xs, layers[0]["w_gu"], layers[0]["e_gu"], K, layers[0]["scale"])
+    idx, topw = routing[1].reshape(-1).contiguous(), routing[0].reshape(-1).contiguous()
+    t_ggu = moe._gather_tiles(moe.gather_gate_up_defaults(K), None, I_E, H)
+    t_gdn = moe._gather_tiles(moe.GATHER_DOWN_TILES, None, H, I_E)
 
     def pair_routed(L, pdl):
         gu, logits = gemv_pair(x0[0], L["w_gu"], x0[2], L["w_r"], t_gu, pdl=pdl)
@@ -92,6 +95,8 @@ def main():
         "ffn_gu": lambda L, p: moe_ffn_gate_up(*xs, L["w_gu"], L["e_gu"], K, L["scale"], pdl=p),
         "ffn_gu_pre": lambda L, p: moe_ffn_gate_up(*xs, L["w_gu"], L["e_gu"], K, L["scale"], pdl=p, routing=routing),
         "ffn_dn": lambda L, p: moe_ffn_down(h_d, act, rw, ridx, L["w_dn"], L["e_dn"], pdl=p),
+        "gather_gu": lambda L, p: moe._gather_gate_up(xs[1], L["e_gu"], idx, topw, K, t_ggu, p),
+        "gather_dn": lambda L, p: moe._gather_down(act, L["e_dn"], idx, topw, K, t_gdn, torch.bfloat16, p),
     }  # fmt: skip
     graphs = {}
     for name, fn in arms.items():
