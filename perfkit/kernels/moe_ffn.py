@@ -225,9 +225,10 @@ def moe_ffn_gate_up(
     per_expert_scale: torch.Tensor,
     pdl: bool = False,
     routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tiles: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`moe_ffn`'s first launch (inputs as moe_ffn checks them) -> (h_d [1, I_d], act [K, I_e], routing w fp32
-    [1, K], ids int32 [1, K])."""
+    [1, K], ids int32 [1, K]). tiles: BLOCK_N / BLOCK_K / num_warps instead of GATE_UP_TILES (a sweep)."""
     I_d, H = w_gate_up.shape[0] // 2, x.shape[1]
     E, I_e = experts_gate_up.shape[0], experts_gate_up.shape[1] // 2
     x, x2, logits = x.contiguous(), x2.contiguous(), logits.contiguous()
@@ -239,7 +240,7 @@ def moe_ffn_gate_up(
         ridx = torch.empty((1, top_k), dtype=torch.int32, device=dev)
     else:
         rw, ridx = routing
-    t1 = GATE_UP_TILES
+    t1 = GATE_UP_TILES if tiles is None else tiles
     grid = triton.cdiv(I_d, t1["BLOCK_N"]) + top_k * triton.cdiv(I_e, t1["BLOCK_N"])
     _moe_ffn_gate_up_kernel[(grid,)](
         x, x2, w_gate_up, experts_gate_up, h_d, act, logits, per_expert_scale, rw, ridx, I_d, I_e, H, E,
@@ -258,12 +259,14 @@ def moe_ffn_down(
     w_down: torch.Tensor,
     experts_down: torch.Tensor,
     pdl: bool = False,
+    tiles: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`moe_ffn`'s second launch: (h_d, act, w, ids) of :func:`moe_ffn_gate_up` -> (m [1, H], e [1, H])."""
+    """:func:`moe_ffn`'s second launch: (h_d, act, w, ids) of :func:`moe_ffn_gate_up` -> (m [1, H], e [1, H]).
+    tiles: BLOCK_N / BLOCK_K / num_warps instead of DOWN_TILES (a sweep)."""
     H, I_d, I_e, top_k = w_down.shape[0], w_down.shape[1], experts_down.shape[2], act.shape[0]
     m = torch.empty((1, H), dtype=h_d.dtype, device=h_d.device)
     e = torch.empty((1, H), dtype=h_d.dtype, device=h_d.device)
-    t2 = DOWN_TILES
+    t2 = DOWN_TILES if tiles is None else tiles
     d_slots = top_k if I_d % top_k == 0 else 1
     _moe_ffn_down_kernel[(2 * triton.cdiv(H, t2["BLOCK_N"]),)](
         h_d, w_down, act, experts_down, rw, ridx, m, e, H, I_d, I_e,

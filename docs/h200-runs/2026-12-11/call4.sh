@@ -4,7 +4,7 @@
 source .carry/bootstrap.sh
 export PERFKIT_GIT_SHA=$(cat .carry/sha)
 t0=$SECONDS
-timeout 60 python3 docs/h200-runs/2026-12-11/ffn_probe.py > $OUT/4-ffn_probe.jsonl 2> $OUT/4-ffn_probe.err; echo "probe rc=$? $((SECONDS-t0))s"
+timeout 80 python3 docs/h200-runs/2026-12-11/ffn_probe.py > $OUT/4-ffn_probe.jsonl 2> $OUT/4-ffn_probe.err; echo "probe rc=$? $((SECONDS-t0))s"
 cat $OUT/4-ffn_probe.jsonl; tail -3 $OUT/4-ffn_probe.err
 S='scenarios=[{name: c1, workload: {isl: 1024, osl: 128, seed: 1}, arrival: {kind: closed, concurrency: 1}, num_requests: 3, warmup_requests: 1}]'
 timeout -s INT 130 python3 -m perfkit run configs/ab_decode_moe_ffn.yaml --set "$S" --out $OUT/ab > $OUT/4-ab.log 2>&1; echo ab rc=$? $((SECONDS-t0))s

@@ -11,6 +11,7 @@ LAYERS distinct weight sets cycled so that no weight is re-read from L2), PDL on
   pair_routed   gemv_pair -> gemv_routed            gather       the gather path's two kernels
   ffn_gu        the fused gate_up alone             ffn_gu_pre   the same reading a given routing
   ffn_dn        the fused down alone                gather_gu / gather_dn   the gather path's kernels alone
+  ffn_gu_NxKwW / ffn_dn_NxKwW   the fused launches with other tiles (BLOCK_N x BLOCK_K on W warps)
 
 One JSON line per arm: the median us per link over REPLAYS replays (arms interleaved).
 Run on the device: python3 docs/h200-runs/2026-12-11/ffn_probe.py > $OUT/ffn_probe.jsonl
@@ -28,6 +29,8 @@ from perfkit.kernels.rmsnorm import sandwich_rmsnorm
 
 H, I_D, E, I_E, K = 2816, 2112, 128, 704, 8
 LAYERS, LINKS, REPLAYS = 8, 32, 20
+GU_TILES = ((8, 512, 4), (16, 256, 4), (4, 512, 2), (8, 256, 4))  # (BLOCK_N, BLOCK_K, num_warps) besides 8 x 256 w2
+DN_TILES = ((16, 128, 4), (4, 128, 2), (8, 64, 2), (8, 128, 8))  # besides 8 x 128 w4
 
 
 def layer_weights(gen):
@@ -95,6 +98,10 @@ def main():
         "ffn_gu": lambda L, p: moe_ffn_gate_up(*xs, L["w_gu"], L["e_gu"], K, L["scale"], pdl=p),
         "ffn_gu_pre": lambda L, p: moe_ffn_gate_up(*xs, L["w_gu"], L["e_gu"], K, L["scale"], pdl=p, routing=routing),
         "ffn_dn": lambda L, p: moe_ffn_down(h_d, act, rw, ridx, L["w_dn"], L["e_dn"], pdl=p),
+        **{f"ffn_gu_{n}x{k}w{w}": (lambda L, p, t=dict(BLOCK_N=n, BLOCK_K=k, num_warps=w): moe_ffn_gate_up(
+            *xs, L["w_gu"], L["e_gu"], K, L["scale"], pdl=p, tiles=t)) for n, k, w in GU_TILES},
+        **{f"ffn_dn_{n}x{k}w{w}": (lambda L, p, t=dict(BLOCK_N=n, BLOCK_K=k, num_warps=w): moe_ffn_down(
+            h_d, act, rw, ridx, L["w_dn"], L["e_dn"], pdl=p, tiles=t)) for n, k, w in DN_TILES},
         "gather_gu": lambda L, p: moe._gather_gate_up(xs[1], L["e_gu"], idx, topw, K, t_ggu, p),
         "gather_dn": lambda L, p: moe._gather_down(act, L["e_dn"], idx, topw, K, t_gdn, torch.bfloat16, p),
     }  # fmt: skip
