@@ -378,8 +378,10 @@ class Engine:
             or (name == "decode_routing" and (value == "fused") != self.ec.decode_routing)
             or (name == "decode_moe_ffn" and (value == "fused") != self.ec.decode_moe_ffn)
         ):
-            ec = self.ec
-            self.ec = replace(ec, decode_fusion=on) if name == "decode_fusion" else replace(ec, **{name: value == "fused"})
+            if name == "decode_fusion":
+                self.ec = replace(self.ec, decode_fusion=on)
+            else:  # decode_routing / decode_moe_ffn
+                self.ec = replace(self.ec, **{name: value == "fused"})
             ec = self.ec
             self.model.set_decode_fusion(ec.decode_fusion, routed=ec.decode_routing, moe_ffn=ec.decode_moe_ffn)
             self._graphs = None  # the captured graphs launch the other kernels: capture again
