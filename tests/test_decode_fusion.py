@@ -26,9 +26,10 @@ from perfkit.runtime.weights import build_model  # noqa: E402
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _model(name: str):
+def _model(name: str, dtype: torch.dtype = torch.float32):
+    """A preset on the CPU with the fused path and perfkit's gemv at one row (also tests/test_moe_ffn.py's)."""
     cfg = get_preset(name)
-    model = build_model(cfg, "cpu", torch.float32, seed=0)
+    model = build_model(cfg, "cpu", dtype, seed=0)
     model.set_fused(True)
     model.set_decode_gemv("triton")
     return cfg, model

@@ -19,12 +19,13 @@ import torch
 
 pytest.importorskip("triton")
 
+from test_decode_fusion import _forward, _model  # noqa: E402
+
 from perfkit.config import PartialToggles, Toggles  # noqa: E402
 from perfkit.kernels import moe  # noqa: E402
 from perfkit.kernels.moe_ffn import moe_ffn, moe_ffn_ref, moe_ffn_traffic  # noqa: E402
 from perfkit.kernels.rmsnorm import sandwich_rmsnorm, sandwich_rmsnorm_ref, sandwich_rmsnorm_traffic  # noqa: E402
 from perfkit.runtime import model as model_mod  # noqa: E402
-from perfkit.runtime.attention.contiguous import ContiguousAttention  # noqa: E402
 from perfkit.runtime.engine import TOGGLES, Engine, EngineConfig  # noqa: E402
 from perfkit.runtime.model_config import get_preset  # noqa: E402
 from perfkit.runtime.weights import build_model  # noqa: E402
@@ -171,20 +172,6 @@ def test_kernels_compile_for_sm90():
 # ---- the model and the engine ------------------------------------------------------------------------------------
 
 
-def _model(dtype=torch.float32):
-    cfg = get_preset("tiny-moe")
-    model = build_model(cfg, "cpu", dtype, seed=0)
-    model.set_fused(True)
-    model.set_decode_gemv("triton")
-    return cfg, model
-
-
-def _forward(model, ids: torch.Tensor) -> torch.Tensor:
-    attn = ContiguousAttention()
-    attn.prepare(ids.numel())
-    return model(ids, torch.arange(ids.numel()), attn)
-
-
 class _Spy:
     NAMES = ("moe_ffn", "gemv_pair", "gemv_routed", "moe_routing", "fused_moe", "sandwich")
 
@@ -209,7 +196,7 @@ def test_model_runs_the_block_in_two_launches(dtype, monkeypatch):
     """One token: every MoE layer runs moe_ffn (no gemv_pair / gemv_routed / routing / gather launches) and one
     sandwich per layer carries the router; the logits match the separate path's (fp32 to rounding; bf16 within a
     few ulps of the logits' scale) and so does the greedy token."""
-    cfg, model = _model(dtype)
+    cfg, model = _model("tiny-moe", dtype)
     ids = torch.tensor([5])
     model.set_decode_fusion(True, routed=True)
     ref = _forward(model, ids)
@@ -226,7 +213,7 @@ def test_model_runs_the_block_in_two_launches(dtype, monkeypatch):
 
 def test_fallbacks_keep_the_separate_launches(monkeypatch):
     """Two rows, or decode_fusion off (the toggle rides with it): the separate launches, logits bit for bit."""
-    cfg, model = _model()
+    cfg, model = _model("tiny-moe")
     two = torch.tensor([5, 9])
     model.set_decode_fusion(True, routed=True)
     ref2 = _forward(model, two)
@@ -242,10 +229,7 @@ def test_fallbacks_keep_the_separate_launches(monkeypatch):
 
 
 def test_a_dense_model_is_untouched(monkeypatch):
-    cfg = get_preset("tiny")
-    model = build_model(cfg, "cpu", torch.float32, seed=0)
-    model.set_fused(True)
-    model.set_decode_gemv("triton")
+    _, model = _model("tiny")
     ids = torch.tensor([5])
     model.set_decode_fusion(True, routed=True)
     ref = _forward(model, ids)
@@ -259,7 +243,7 @@ def test_toggle_config_and_engine_tokens():
     decode_moe_ffn fused as separate, also switched on a live engine (fp32: the arms agree to rounding)."""
     assert TOGGLES["decode_moe_ffn"] == ("separate", "fused")
     assert Toggles().decode_moe_ffn == "separate" and PartialToggles(decode_moe_ffn="fused").decode_moe_ffn == "fused"
-    cfg, model = _model()
+    cfg, model = _model("tiny-moe")
     kw = dict(attention="torch", page_size=4, max_batch_size=4, max_num_tokens=16, num_kv_pages=200,
               cuda_graphs=False, mask="dense", max_model_len=128, fused_kernels=True, decode_gemv="triton",
               decode_fusion=True, decode_routing=True)  # fmt: skip
