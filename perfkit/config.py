@@ -130,14 +130,17 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "(26B-A4B c1 TPOT 2.998 -> 2.921 ms on the H200)",
     ),
     "decode_moe_ffn": (
-        ("separate", "fused"),
+        ("separate", "fused", "branches"),
         "separate",
-        "26B-A4B MoE layers at batch 1 with fused_kernels and decode_fusion on: the feed-forward block in five "
-        "launches after the attention sandwich (separate: dense gate_up + router, dense down + routing, the "
-        "experts' gate_up, the experts' down) or in two (fused: the router's product in the sandwich's launch, the "
-        "dense and expert gate_up in one launch that routes in every expert program, the dense and expert down in "
-        "another; perfkit/kernels/moe_ffn.py); the same weights read; the dense branch rounds once instead of "
-        "twice and the router's sums run in another order, so the arms agree to rounding, not bit for bit",
+        "26B-A4B MoE layers with fused_kernels and decode_fusion on: the feed-forward block at batch 1 in five "
+        "launches in a row after the attention sandwich (separate: dense gate_up + router, dense down + routing, "
+        "the experts' gate_up, the experts' down), in two (fused: the router's product in the sandwich's launch, "
+        "the dense and expert gate_up in one launch that routes in every expert program, the dense and expert down "
+        "in another; perfkit/kernels/moe_ffn.py), or, at steps of up to 8 rows, on two CUDA-graph branches "
+        "(branches: the router's product in the sandwich's launch, the dense MLP on a second stream while the "
+        "routing and the experts run on the first, so each branch's launches overlap the other's); the same "
+        "weights read; the router's sums run in another order (and fused's dense branch rounds once instead of "
+        "twice), so the arms agree to rounding, not bit for bit",
     ),
     "decode_prologue": (
         ("separate", "fused"),
@@ -190,7 +193,7 @@ class Toggles(BaseModel):
     pdl: Literal["auto", "on", "off"] = "auto"
     decode_fusion: Literal["on", "off"] = "on"
     decode_routing: Literal["separate", "fused"] = "fused"
-    decode_moe_ffn: Literal["separate", "fused"] = "separate"
+    decode_moe_ffn: Literal["separate", "fused", "branches"] = "separate"
     decode_prologue: Literal["separate", "fused"] = "separate"
     attention: Literal["auto", "flashinfer", "torch"] = "auto"
 
@@ -220,7 +223,7 @@ class PartialToggles(BaseModel):
     pdl: Literal["auto", "on", "off"] | None = None
     decode_fusion: Literal["on", "off"] | None = None
     decode_routing: Literal["separate", "fused"] | None = None
-    decode_moe_ffn: Literal["separate", "fused"] | None = None
+    decode_moe_ffn: Literal["separate", "fused", "branches"] | None = None
     decode_prologue: Literal["separate", "fused"] | None = None
     attention: Literal["auto", "flashinfer", "torch"] | None = None
 

@@ -200,7 +200,7 @@ def test_model_runs_the_block_in_two_launches(dtype, monkeypatch):
     ids = torch.tensor([5])
     model.set_decode_fusion(True, routed=True)
     ref = _forward(model, ids)
-    model.set_decode_fusion(True, routed=True, moe_ffn=True)
+    model.set_decode_fusion(True, routed=True, moe_ffn="fused")
     spy = _Spy(monkeypatch)
     out = _forward(model, ids)
     L = cfg.num_hidden_layers
@@ -217,12 +217,12 @@ def test_fallbacks_keep_the_separate_launches(monkeypatch):
     two = torch.tensor([5, 9])
     model.set_decode_fusion(True, routed=True)
     ref2 = _forward(model, two)
-    model.set_decode_fusion(True, routed=True, moe_ffn=True)
+    model.set_decode_fusion(True, routed=True, moe_ffn="fused")
     spy = _Spy(monkeypatch)
     assert torch.equal(_forward(model, two), ref2)
     assert spy.calls["moe_ffn"] == 0 and spy.routers == 0 and spy.calls["fused_moe"] == cfg.num_hidden_layers
-    model.set_decode_fusion(False, moe_ffn=True)
-    assert not any(layer.decode_moe_ffn for layer in model.layers)
+    model.set_decode_fusion(False, moe_ffn="fused")
+    assert all(layer.decode_moe_ffn == "separate" for layer in model.layers)
     one = torch.tensor([5])
     _forward(model, one)
     assert spy.calls["moe_ffn"] == 0
@@ -233,7 +233,7 @@ def test_a_dense_model_is_untouched(monkeypatch):
     ids = torch.tensor([5])
     model.set_decode_fusion(True, routed=True)
     ref = _forward(model, ids)
-    model.set_decode_fusion(True, routed=True, moe_ffn=True)
+    model.set_decode_fusion(True, routed=True, moe_ffn="fused")
     spy = _Spy(monkeypatch)
     assert torch.equal(_forward(model, ids), ref) and spy.calls["moe_ffn"] == 0 and spy.routers == 0
 
@@ -241,7 +241,7 @@ def test_a_dense_model_is_untouched(monkeypatch):
 def test_toggle_config_and_engine_tokens():
     """The toggle's values and default; an engine (torch attention, fused path) gives the same greedy tokens with
     decode_moe_ffn fused as separate, also switched on a live engine (fp32: the arms agree to rounding)."""
-    assert TOGGLES["decode_moe_ffn"] == ("separate", "fused")
+    assert TOGGLES["decode_moe_ffn"] == ("separate", "fused", "branches")
     assert Toggles().decode_moe_ffn == "separate" and PartialToggles(decode_moe_ffn="fused").decode_moe_ffn == "fused"
     cfg, model = _model("tiny-moe")
     kw = dict(attention="torch", page_size=4, max_batch_size=4, max_num_tokens=16, num_kv_pages=200,
@@ -255,13 +255,13 @@ def test_toggle_config_and_engine_tokens():
         return [got[r] for r in rids]
 
     off = run(Engine(copy.deepcopy(model), cfg, EngineConfig(**kw)))
-    on = run(Engine(copy.deepcopy(model), cfg, EngineConfig(**kw, decode_moe_ffn=True)))
+    on = run(Engine(copy.deepcopy(model), cfg, EngineConfig(**kw, decode_moe_ffn="fused")))
     live = Engine(model, cfg, EngineConfig(**kw))
     live.set_toggle("decode_moe_ffn", "fused")
-    assert live.toggles()["decode_moe_ffn"] == "fused" and model.layers[0].decode_moe_ffn
+    assert live.toggles()["decode_moe_ffn"] == "fused" and model.layers[0].decode_moe_ffn == "fused"
     assert off == on == run(live)
     live.set_toggle("decode_fusion", "off")  # the block goes with the fusion; it stays chosen for later
-    assert not model.layers[0].decode_moe_ffn and live.toggles()["decode_moe_ffn"] == "fused"
+    assert model.layers[0].decode_moe_ffn == "separate" and live.toggles()["decode_moe_ffn"] == "fused"
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------------------
@@ -343,7 +343,7 @@ def test_gpu_engine_tokens_with_the_block_fused():
         return [got[r] for r in rids]
 
     off = run(Engine(model, cfg, EngineConfig(**kw)))
-    on = run(Engine(model, cfg, EngineConfig(**kw, decode_moe_ffn=True)))
+    on = run(Engine(model, cfg, EngineConfig(**kw, decode_moe_ffn="fused")))
     live = Engine(model, cfg, EngineConfig(**kw))
     live.set_toggle("decode_moe_ffn", "fused")
     assert on == off and run(live) == off

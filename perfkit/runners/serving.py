@@ -369,7 +369,7 @@ def load_target(
         pdl=toggles.pdl == "on",
         decode_fusion=toggles.decode_fusion == "on",
         decode_routing=toggles.decode_routing == "fused",
-        decode_moe_ffn=toggles.decode_moe_ffn == "fused",
+        decode_moe_ffn=toggles.decode_moe_ffn,
         decode_prologue=toggles.decode_prologue == "fused",
         decode_use_tensor_cores=None if rt.decode_tensor_cores == "auto" else rt.decode_tensor_cores == "on",
         seed=mcfg.seed,

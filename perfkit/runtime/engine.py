@@ -19,9 +19,10 @@ Toggles (settable on a live engine with `set_toggle`; both arms of every toggle 
   launches per batch-1 decode layer: GeGLU inside the down gemv, the MoE router beside the dense gate_up in one
   gemv launch; bit for bit)   decode_routing=separate|fused (with decode_fusion: the MoE routing as one more
   program of the dense down gemv's launch; the routing weights to fp32 rounding)
-  decode_moe_ffn=separate|fused (with decode_fusion: a MoE layer's feed-forward block at batch 1 in two launches,
-  the router's product in the attention sandwich's; rounding-level: the dense branch rounds once, the router's sums
-  run in another order)
+  decode_moe_ffn=separate|fused|branches (with decode_fusion: a MoE layer's feed-forward block at decode; fused: at
+  batch 1 in two launches, the router's product in the attention sandwich's; branches: up to 8 rows, the dense MLP
+  on a second CUDA stream beside the routing and the experts, the router's product in the sandwich's launch;
+  rounding-level: the router's sums run in another order, and fused's dense branch rounds once)
   decode_prologue=separate|fused (fused_kernels on, decode-only steps on the Triton decode: the q/k norm + RoPE and
   the newest K / V row's write inside the decode kernel instead of their own launch; the same arithmetic, bit for
   bit under the interpreter, a q element an ulp apart now and then on the GPU)
@@ -66,7 +67,7 @@ TOGGLES = {
     "pdl": ("on", "off"),
     "decode_fusion": ("on", "off"),
     "decode_routing": ("separate", "fused"),
-    "decode_moe_ffn": ("separate", "fused"),
+    "decode_moe_ffn": ("separate", "fused", "branches"),
     "decode_prologue": ("separate", "fused"),
 }
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -101,7 +102,7 @@ class EngineConfig:
     pdl: bool = False  # Triton kernels launch with programmatic dependent launch (perfkit/kernels/pdl.py; sm_90+)
     decode_fusion: bool = False  # fewer launches per batch-1 decode layer (Gemma4ForCausalLM.set_decode_fusion)
     decode_routing: bool = False  # with decode_fusion: MoE routing in the down gemv's launch (set_decode_fusion)
-    decode_moe_ffn: bool = False  # with decode_fusion: a MoE layer's FFN block in two launches (set_decode_fusion)
+    decode_moe_ffn: str = "separate"  # with decode_fusion: a MoE layer's FFN block, separate | fused | branches
     decode_prologue: bool = False  # q/k norm + RoPE + the new K / V row inside the Triton decode (attend_raw)
     workspace_bytes: int = 256 << 20  # flashinfer float workspace, shared by every wrapper
     seed: int = 0  # sampling generators
@@ -192,7 +193,8 @@ class Engine:
     # ---- construction ----------------------------------------------------------------------------------------
     @staticmethod
     def _validate_toggles(ec: EngineConfig) -> None:
-        for name in ("attention", "page_table", "mask", "moe_gather", "moe_prefill", "decode_attention", "decode_gemv"):
+        for name in ("attention", "page_table", "mask", "moe_gather", "moe_prefill", "decode_attention", "decode_gemv",
+                     "decode_moe_ffn"):  # fmt: skip
             if getattr(ec, name) not in TOGGLES[name]:
                 raise PerfkitError(f"{name}={getattr(ec, name)!r}; allowed: {', '.join(TOGGLES[name])}")
 
@@ -376,12 +378,14 @@ class Engine:
         elif (
             (name == "decode_fusion" and on != self.ec.decode_fusion)
             or (name == "decode_routing" and (value == "fused") != self.ec.decode_routing)
-            or (name == "decode_moe_ffn" and (value == "fused") != self.ec.decode_moe_ffn)
+            or (name == "decode_moe_ffn" and value != self.ec.decode_moe_ffn)
         ):
             if name == "decode_fusion":
                 self.ec = replace(self.ec, decode_fusion=on)
-            else:  # decode_routing / decode_moe_ffn
-                self.ec = replace(self.ec, **{name: value == "fused"})
+            elif name == "decode_routing":
+                self.ec = replace(self.ec, decode_routing=value == "fused")
+            else:
+                self.ec = replace(self.ec, decode_moe_ffn=value)
             ec = self.ec
             self.model.set_decode_fusion(ec.decode_fusion, routed=ec.decode_routing, moe_ffn=ec.decode_moe_ffn)
             self._graphs = None  # the captured graphs launch the other kernels: capture again
@@ -411,7 +415,7 @@ class Engine:
             "decode_gemv": ec.decode_gemv, "pdl": "on" if ec.pdl else "off",
             "decode_fusion": "on" if ec.decode_fusion else "off",
             "decode_routing": "fused" if ec.decode_routing else "separate",
-            "decode_moe_ffn": "fused" if ec.decode_moe_ffn else "separate",
+            "decode_moe_ffn": ec.decode_moe_ffn,
             "decode_prologue": "fused" if ec.decode_prologue else "separate",
         }  # fmt: skip
 

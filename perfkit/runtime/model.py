@@ -37,6 +37,12 @@ decoder layer is, in launches:
   gemv applies GeGLU to the [1, 2I] gate_up output as it loads it (no gelu_mul launch; only on the down shapes
   `set_decode_gemv` gave a GLU tile, which auto does where that form timed faster), and a MoE layer's router
   product rides in the dense gate_up's launch (`gemv_pair`). Bit-identical to the separate launches.
+- A MoE layer's two feed-forward branches side by side (toggle decode_moe_ffn=branches): at decode steps of up to
+  FFN_BRANCH_MAX_ROWS rows, the dense MLP runs on a second CUDA stream (`ffn_stream`, made by `set_decode_fusion`)
+  while the routing and the experts run on the current one; the router's product rides in the attention
+  sandwich's launch. Neither branch reads the other's output, so in a captured decode graph they become two
+  branches whose kernels overlap: each small weight stream's ramp and tail (~2.4 us a launch on the H200) is hidden
+  behind the other branch's streaming. Without a CUDA stream (CPU) the branches run one after the other.
 - The q/k norm launch inside the decode kernel (toggle decode_prologue): a backend with `attend_raw` (FlashInfer's,
   on a Triton decode plan at a decode-only step) takes the raw q / k / v projections, and its decode kernel norms
   and ropes q and makes, writes and uses the newest K / V row itself (perfkit/kernels/paged_decode.py, "Prologue");
@@ -115,6 +121,22 @@ class MergedRows:
                 return False
         return True
 
+
+MOE_FFN_FORMS = ("separate", "fused", "branches")  # a MoE layer's FFN block at decode (set_decode_fusion)
+# The most rows a step may have for the FFN branches (decode_moe_ffn=branches): the decode graphs' small batches;
+# larger (prefill) steps take the separate launches.
+FFN_BRANCH_MAX_ROWS = 8
+
+
+class SideStream:
+    """The CUDA stream a MoE layer's dense MLP runs on with decode_moe_ffn=branches. A copy of the model (deepcopy)
+    shares it: a stream is a device queue, not state, and torch's streams cannot be copied."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device)
+
+    def __deepcopy__(self, memo: dict) -> SideStream:
+        return self
 
 # (N, K, dtype) of a plain weight -> the gemv tile its one-row products take (set by set_decode_gemv); empty = cuBLAS.
 # A plain dict, never changed in place (set_decode_gemv assigns a new one): a mappingproxy would stop deepcopy.
@@ -514,7 +536,9 @@ class Gemma4DecoderLayer(nn.Module):
     pdl = False  # set by Gemma4ForCausalLM.set_pdl
     decode_fusion = False  # set by Gemma4ForCausalLM.set_decode_fusion
     decode_routing = False  # set by Gemma4ForCausalLM.set_decode_fusion (MoE layers: the routing in the down launch)
-    decode_moe_ffn = False  # set by Gemma4ForCausalLM.set_decode_fusion (MoE layers: the FFN block in two launches)
+    decode_moe_ffn = "separate"  # set by Gemma4ForCausalLM.set_decode_fusion (MoE layers: separate | fused |
+    # branches, the FFN block's form at decode)
+    ffn_stream: SideStream | None = None  # set by set_decode_fusion with branches on CUDA (the dense MLP's stream)
 
     def __init__(self, cfg: Gemma4Config, layer: AttnLayer):
         super().__init__()
@@ -581,20 +605,24 @@ class Gemma4DecoderLayer(nn.Module):
             x = K.rmsnorm(h, self.input_layernorm.weight, eps)
         a = self.self_attn(x, *rope, attn)
         nxt, mults = [self.pre_feedforward_layernorm.weight], [1.0]
-        ffn = self._moe_ffn_weights(a, K) if self.decode_moe_ffn else None
-        if ffn is not None:  # the router's product rides in the sandwich's launch (its logits: ys[2])
+        ffn = self._moe_ffn_weights(a, K) if self.decode_moe_ffn == "fused" else None
+        w_r = ffn[0] if ffn is not None else self._branch_router(a)
+        if w_r is not None:  # the router's product rides in the sandwich's launch (its logits: ys[2])
             nxt += [self.pre_feedforward_layernorm_2.weight]
             mults += [1.0]
         elif self.enable_moe_block:
             nxt += [self.pre_feedforward_layernorm_2.weight, self.router.scale]
             mults += [1.0, self.router.scalar_root_size]
-        router = None if ffn is None else (ffn[0], self.router.scale, self.router.scalar_root_size)
+        router = None if w_r is None else (w_r, self.router.scale, self.router.scalar_root_size)
         r, ys = K.sandwich(
             a, h, self.post_attention_layernorm.weight, eps, next_weights=nxt, next_mults=mults, router=router
         )  # fmt: skip
         x2 = None
         if ffn is not None:  # the dense MLP and the experts in two launches
             m, e = K.moe_ffn(ys[0], ys[1], ys[2], *ffn[1:], self.router.top_k, self.router.per_expert_scale)
+            x2 = (e, self.post_feedforward_layernorm_1.weight, self.post_feedforward_layernorm_2.weight)
+        elif w_r is not None:  # the dense MLP and the experts on two branches
+            m, e = self._ffn_branches(ys, K)
             x2 = (e, self.post_feedforward_layernorm_1.weight, self.post_feedforward_layernorm_2.weight)
         elif self.enable_moe_block:  # the router product rides in the dense gate_up's launch where it can
             rt = self.router
@@ -619,6 +647,33 @@ class Gemma4DecoderLayer(nn.Module):
                 next_weights=last_next,
             )  # fmt: skip
         return h, (ys[0] if ys else None)
+
+    def _branch_router(self, a: Tensor) -> Tensor | None:
+        """The router's plain [E, H] weight when this MoE layer's FFN block runs on two branches at this step
+        (decode_moe_ffn=branches, at most FFN_BRANCH_MAX_ROWS rows, a plain router weight in a's dtype, which the
+        sandwich's router programs read); else None."""
+        if self.decode_moe_ffn != "branches" or not self.enable_moe_block or a.shape[0] > FFN_BRANCH_MAX_ROWS:
+            return None
+        w_r = _plain_weight(self.router.proj)
+        return w_r if w_r is not None and w_r.is_contiguous() and w_r.dtype == a.dtype else None
+
+    def _ffn_branches(self, ys: list[Tensor], K: SimpleNamespace) -> tuple[Tensor, Tensor]:
+        """(dense MLP output, experts' output) of ys = [pre_ff(r), pre_ff_2(r), router logits], the dense MLP on
+        ``ffn_stream`` (forked from the current stream, joined before returning) while the routing and the experts
+        run on the current stream. The tensors each branch makes are freed only after the join is enqueued, and the
+        next use of their memory is enqueued after it, so the caching allocator needs no record_stream. Without
+        ``ffn_stream`` (CPU) the same launches run one after the other."""
+        side = None if self.ffn_stream is None else self.ffn_stream.stream
+        here = torch.cuda.current_stream() if side is not None else None
+        if side is not None:
+            side.wait_stream(here)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            m, _ = self.mlp.forward_fused(ys[0])
+        w, idx = K.moe_routing(ys[2], self.router.top_k, self.router.per_expert_scale)
+        e = self.experts(ys[1], idx, w)
+        if side is not None:
+            here.wait_stream(side)
+        return m, e
 
     def _moe_ffn_weights(self, a: Tensor, K: SimpleNamespace) -> tuple[Tensor, ...] | None:
         """(router proj [E, H], dense gate_up [2I, H], dense down [H, I], experts' gate_up, experts' down) when this
@@ -695,19 +750,27 @@ class Gemma4ForCausalLM(nn.Module):
         ``set_decode_gemv``: its timings depend on it."""
         self._set_module_flag("pdl", bool(on))
 
-    def set_decode_fusion(self, on: bool, routed: bool = False, moe_ffn: bool = False) -> None:
+    def set_decode_fusion(self, on: bool, routed: bool = False, moe_ffn: str = "separate") -> None:
         """Fewer launches per batch-1 decode layer on the fused path (toggle ``decode_fusion``), each bit-identical to
         the launches it replaces: the down gemv applies GeGLU to the gate_up output as it loads it (no gelu_mul
         launch), and the 26B-A4B router's product shares the dense gate_up's gemv launch (no router launch).
         routed (toggle ``decode_routing``, with on): the MoE routing rides in the dense down product's GLU gemv
         launch as one more program (``gemv_routed``: no routing launch; the weights to fp32 rounding on the GPU).
-        moe_ffn (toggle ``decode_moe_ffn``, with on): a MoE layer's feed-forward block in two launches after the
-        sandwich, which computes the router's product (perfkit/kernels/moe_ffn.py; rounding-level)."""
+        moe_ffn (toggle ``decode_moe_ffn``, with on): a MoE layer's feed-forward block at decode, "separate", "fused"
+        (two launches after the sandwich, which computes the router's product: perfkit/kernels/moe_ffn.py) or
+        "branches" (the dense MLP on a second CUDA stream beside the routing and the experts, the router's product
+        in the sandwich: `Gemma4DecoderLayer._ffn_branches`); both rounding-level against separate."""
+        if moe_ffn not in MOE_FFN_FORMS:
+            raise ValueError(f"moe_ffn {moe_ffn!r}: allowed values are {', '.join(MOE_FFN_FORMS)}")
+        form = moe_ffn if on else "separate"
         self._set_module_flag("decode_fusion", bool(on))
         self._set_module_flag("decode_routing", bool(on and routed))
-        self._set_module_flag("decode_moe_ffn", bool(on and moe_ffn))
+        self._set_module_flag("decode_moe_ffn", form)
+        device = self.embed_tokens.weight.device
+        stream = SideStream(device) if form == "branches" and device.type == "cuda" else None
+        self._set_module_flag("ffn_stream", stream)  # one stream, shared by every MoE layer
 
-    def _set_module_flag(self, name: str, value: bool | None) -> bool:
+    def _set_module_flag(self, name: str, value: object) -> bool:
         """``name = value`` on every submodule whose class declares ``name``; whether any does."""
         found = False
         for m in self.modules():
