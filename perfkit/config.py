@@ -125,10 +125,9 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "fused",
         "MoE layers at batch 1 with decode_fusion on: the routing (softmax, top-k) as its own kernel (separate), or "
         "as one more program of the dense MLP's down gemv launch, which does not depend on it (fused; where the down "
-        "product is a gemv; with decode_moe_ffn=branches: inside the experts' gate_up launch, each program routing "
-        "its token, at up to 8 decode rows); the routing weights agree to fp32 rounding (the softmax sums in another "
-        "order), the expert ids and tokens matched in every test; no effect on dense models; fused by default since "
-        "12-09 (26B-A4B c1 TPOT 2.998 -> 2.921 ms on the H200)",
+        "product is a gemv); the routing weights agree to fp32 rounding (the softmax sums in another order), "
+        "the expert ids and tokens matched in every test; no effect on dense models; fused by default since 12-09 "
+        "(26B-A4B c1 TPOT 2.998 -> 2.921 ms on the H200)",
     ),
     "decode_moe_ffn": (
         ("separate", "fused", "branches"),

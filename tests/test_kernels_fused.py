@@ -22,7 +22,6 @@ from perfkit.kernels.moe import (
     expected_active_experts,
     fused_moe,
     fused_moe_ref,
-    fused_moe_routed,
     fused_moe_traffic,
     moe_align,
     moe_routing,
@@ -511,23 +510,6 @@ def test_fused_moe_gather_prefetch_tiles(dtype, T, K, E, routing):
     out = fused_moe(x, gu, dn, w, idx, path="gather", **PREFETCH_TILES)
     check(out, fused_moe_ref(x.float(), gu.float(), dn.float(), w, idx), dtype, rtol=2e-2, atol_rel=2e-2)
     check(out, fused_moe(x, gu, dn, w, idx, path="gather", **SMALL_TILES), dtype, rtol=2e-2, atol_rel=2e-2)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,K,E", [(1, 8, 16), (3, 4, 16), (2, 1, 8)])
-def test_fused_moe_routed_is_the_routing_then_the_gather_path(dtype, T, K, E):
-    """The gather path routing each token inside its gate_up kernel equals moe_routing + the gather path bit for bit
-    (the same _topk_row code, the same kernel bodies); too many pairs or logits of another shape: ValueError."""
-    x, gu, dn, _, _ = _moe_case(T, K, E, "shared", dtype)
-    logits = _rand(T, E, dtype=dtype, seed=4)
-    scale = (torch.rand(E, generator=torch.Generator().manual_seed(5)) + 0.5).to(DEVICE)
-    w, idx = moe_routing(logits, K, scale)
-    assert torch.equal(fused_moe_routed(x, gu, dn, logits, K, scale), fused_moe(x, gu, dn, w, idx, path="gather"))
-    with pytest.raises(ValueError, match="logits"):
-        fused_moe_routed(x, gu, dn, logits[:, :-1], K, scale)
-    many = MOE_GATHER_MAX_PAIRS // K + 1
-    with pytest.raises(ValueError, match="at most"):
-        fused_moe_routed(x[:1].expand(many, -1), gu, dn, logits[:1].expand(many, -1), K, scale)
 
 
 def test_gather_tile_keys_are_checked():

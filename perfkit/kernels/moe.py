@@ -467,37 +467,15 @@ def _moe_gather_gate_up_kernel(
     PREFETCH: tl.constexpr = 0,  # 1: unmasked steps, the next step's tiles loaded before this one's FMAs
     EVICT_FIRST: tl.constexpr = 0,  # 1 (with PREFETCH): weight loads marked evict-first
     PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
-    logits_ptr=None,  # ROUTED: [T, E] router logits (row stride stride_l) and [E] per_expert_scale
-    scale_ptr=None,
-    stride_l=0,
-    E=0,
-    ROUTED: tl.constexpr = 0,  # 1: every program routes its token itself and the first block of each pair stores
-    TOP_K: tl.constexpr = 1,  # (topw, idx) for the down kernel (idx / topw are outputs); TOP_K = top_k
-    BLOCK_TOPK: tl.constexpr = 1,
-    BLOCK_E: tl.constexpr = 1,
 ):
-    """One program per (pair p, BLOCK_N rows of I): two GEMVs (gate, up) of x[p // K] with expert idx[p].
-    ROUTED: the pair's expert and weight come from `_topk_row` on the token's logits (moe_routing's math: the
-    routing launch before this one is gone; a few hundred ns per program, from L2)."""
-    pdl_enter(PDL)  # the expert ids (or the logits) come from the launch just before
+    """One program per (pair p, BLOCK_N rows of I): two GEMVs (gate, up) of x[p // K] with expert idx[p]."""
+    pdl_enter(PDL)  # the expert ids come from the routing kernel just before
     p = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
+    e = tl.load(idx_ptr + p).to(tl.int64)  # on the device: no host sync
+    h_live = H * (tl.load(topw_ptr + p) != 0).to(tl.int32)  # H, or 0 for a weight-0 pair (a multiple of H
+    # keeps the mask's alignment known to the compiler, so the loads stay vectorised)
     t = p // top_k
-    if ROUTED:
-        wv, iv = _topk_row(logits_ptr, t, stride_l, scale_ptr, E, TOP_K, BLOCK_TOPK, BLOCK_E)
-        kk = tl.arange(0, BLOCK_TOPK)
-        k = p - t * top_k
-        e = tl.sum(tl.where(kk == k, iv, 0), axis=0).to(tl.int64)
-        wt = tl.sum(tl.where(kk == k, wv, 0.0), axis=0)
-        mine = kk == k + BLOCK_TOPK * (pid_n != 0).to(tl.int64)  # the pair's first block publishes its routing
-        # (a lane index past BLOCK_TOPK elsewhere: the interpreter refuses scalar & tensor masks)
-        tl.store(topw_ptr + t * top_k + kk, wv, mask=mine)
-        tl.store(idx_ptr + t * top_k + kk, iv, mask=mine)
-    else:
-        e = tl.load(idx_ptr + p).to(tl.int64)  # on the device: no host sync
-        wt = tl.load(topw_ptr + p)
-    h_live = H * (wt != 0).to(tl.int32)  # H, or 0 for a weight-0 pair (a multiple of H keeps the mask's
-    # alignment known to the compiler, so the loads stay vectorised)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
@@ -876,22 +854,14 @@ def gather_gate_up_defaults(pairs: int) -> dict[str, int]:
 
 def _gather_gate_up(
     x: torch.Tensor, w_gate_up: torch.Tensor, idx: torch.Tensor, topw: torch.Tensor, top_k: int, tiles: dict,
-    pdl: bool = False, route: tuple[torch.Tensor, torch.Tensor] | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """x [T, H], w_gate_up [E, 2I, H], idx / topw [T*K] -> act [T*K, I] (x's dtype). ``tiles`` already fitted.
-    route: (logits [T, E] with unit stride along E, per_expert_scale [E]): the kernel routes each token itself
-    and writes idx (int32) / topw (fp32), which the down kernel then reads."""
+    """x [T, H], w_gate_up [E, 2I, H], idx / topw [T*K] -> act [T*K, I] (x's dtype). ``tiles`` already fitted."""
     P, inter, H = idx.numel(), w_gate_up.shape[1] // 2, x.shape[1]
     act = torch.empty((P, inter), dtype=x.dtype, device=x.device)
-    routed = {}
-    if route is not None:
-        logits, scale = route
-        routed = dict(logits_ptr=logits, scale_ptr=scale, stride_l=logits.stride(0), E=logits.shape[1], ROUTED=1,
-                      TOP_K=top_k, BLOCK_TOPK=triton.next_power_of_2(top_k),
-                      BLOCK_E=triton.next_power_of_2(logits.shape[1]))  # fmt: skip
     _moe_gather_gate_up_kernel[(P, triton.cdiv(inter, tiles["BLOCK_N"]))](
         x, w_gate_up, act, idx, topw, inter, H, top_k,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), **tiles, **routed, **pdl_launch(pdl),
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), **tiles, **pdl_launch(pdl),
     )  # fmt: skip
     return act
 
@@ -936,46 +906,6 @@ def _fused_moe_gather(
     act = _gather_gate_up(x, w_gate_up, idx, topw, K, t1, pdl)
     t2 = _gather_tiles(GATHER_DOWN_TILES, down_tiles, H, inter)
     return _gather_down(act, w_down, idx, topw, K, t2, x.dtype, pdl)
-
-
-def fused_moe_routed(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    logits: torch.Tensor,
-    top_k: int,
-    per_expert_scale: torch.Tensor,
-    *,
-    pdl: bool = False,
-) -> torch.Tensor:
-    """``fused_moe(x, w_gate_up, w_down, *moe_routing(logits, top_k, per_expert_scale), path="gather")`` without
-    the routing launch: each program of the gather gate_up kernel routes its token itself (`_topk_row`, the
-    routing kernel's code) and the pair's first block writes the routing the down kernel reads. bf16 / fp16 / fp32
-    experts, T * top_k <= MOE_GATHER_MAX_PAIRS (ValueError otherwise: above it, route and take ``fused_moe``).
-
-    Why: on the decode step's chain the routing is a launch of its own (a few us of launch, ramp and tail for a
-    few hundred ns of work); folded in, each gate_up program spends those few hundred ns instead, reading 128
-    logits from L2. With decode_moe_ffn=branches the experts' branch is the longer one, so the fold shortens the
-    step (perfkit/runtime/model.py, ``Gemma4Experts.forward_routed``)."""
-    T, H = x.shape
-    E, two_i, H2 = w_gate_up.shape
-    inter = two_i // 2
-    P = T * top_k
-    if (H2 != H or w_down.shape != (E, H, inter) or logits.shape != (T, E) or logits.stride(1) != 1
-            or not 1 <= top_k <= E or P > MOE_GATHER_MAX_PAIRS):  # fmt: skip
-        raise ValueError(
-            f"fused_moe_routed: x {tuple(x.shape)}, gate_up {tuple(w_gate_up.shape)}, down {tuple(w_down.shape)}, "
-            f"logits {tuple(logits.shape)}, top_k {top_k} (at most {MOE_GATHER_MAX_PAIRS} pairs)"
-        )
-    if T == 0:
-        return torch.zeros_like(x)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    idx = torch.empty(P, dtype=torch.int32, device=x.device)
-    topw = torch.empty(P, dtype=torch.float32, device=x.device)
-    t1 = _gather_tiles(gather_gate_up_defaults(P), None, inter, H)
-    act = _gather_gate_up(x, w_gate_up.contiguous(), idx, topw, top_k, t1, pdl, route=(logits, per_expert_scale))
-    t2 = _gather_tiles(GATHER_DOWN_TILES, None, H, inter)
-    return _gather_down(act, w_down.contiguous(), idx, topw, top_k, t2, x.dtype, pdl)
 
 
 def _sorted_plan(

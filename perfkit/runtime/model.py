@@ -95,7 +95,6 @@ def _kernel_table(pdl: bool) -> SimpleNamespace:
         split_qkv=qk_norm_rope.split_qkv,  # views only, no launch
         moe_routing=bind(moe.moe_routing),
         fused_moe=bind(moe.fused_moe),
-        fused_moe_routed=bind(moe.fused_moe_routed),
         moe_ffn=bind(moe_ffn.moe_ffn),
         moe_ffn_fits=moe_ffn.moe_ffn_fits,  # no launch
     )
@@ -501,16 +500,6 @@ class Gemma4Experts(nn.Module):
             return self.forward_gather(x, idx, w)
         return self.forward_sorted(x, idx, w)
 
-    def forward_routed(self, x: Tensor, logits: Tensor, top_k: int, per_expert_scale: Tensor) -> Tensor:
-        """x [T, H], the router's logits [T, E] -> [T, H]: moe_routing, then `forward`; on the fused path at up to
-        gather_max_rows pairs one launch less (`moe.fused_moe_routed`: the gather gate_up kernel routes each token
-        itself; toggle decode_routing with decode_moe_ffn=branches)."""
-        K = _kernels(self.pdl)
-        if self.fused and x.shape[0] * top_k <= self.gather_max_rows:
-            return K.fused_moe_routed(x, self.gate_up_proj, self.down_proj, logits, top_k, per_expert_scale)
-        w, idx = K.moe_routing(logits, top_k, per_expert_scale)
-        return self.forward(x, idx, w)
-
     def _expert(self, x: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
         gate, up = (x @ gate_up.transpose(-1, -2)).split(self.intermediate, dim=-1)
         return (gelu_tanh(gate) * up) @ down.transpose(-1, -2)
@@ -671,8 +660,7 @@ class Gemma4DecoderLayer(nn.Module):
     def _ffn_branches(self, ys: list[Tensor], K: SimpleNamespace) -> tuple[Tensor, Tensor]:
         """(dense MLP output, experts' output) of ys = [pre_ff(r), pre_ff_2(r), router logits], the dense MLP on
         ``ffn_stream`` (forked from the current stream, joined before returning) while the routing and the experts
-        run on the current stream (decode_routing: the routing inside the experts' gate_up launch, one launch
-        less on the longer branch). The tensors each branch makes are freed only after the join is enqueued, and the
+        run on the current stream. The tensors each branch makes are freed only after the join is enqueued, and the
         next use of their memory is enqueued after it, so the caching allocator needs no record_stream. Without
         ``ffn_stream`` (CPU) the same launches run one after the other."""
         side = None if self.ffn_stream is None else self.ffn_stream.stream
@@ -681,12 +669,8 @@ class Gemma4DecoderLayer(nn.Module):
             side.wait_stream(here)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             m, _ = self.mlp.forward_fused(ys[0])
-        rt = self.router
-        if self.decode_routing and type(self.experts) is Gemma4Experts:  # the routing inside the experts' launch
-            e = self.experts.forward_routed(ys[1], ys[2], rt.top_k, rt.per_expert_scale)
-        else:
-            w, idx = K.moe_routing(ys[2], rt.top_k, rt.per_expert_scale)
-            e = self.experts(ys[1], idx, w)
+        w, idx = K.moe_routing(ys[2], self.router.top_k, self.router.per_expert_scale)
+        e = self.experts(ys[1], idx, w)
         if side is not None:
             here.wait_stream(side)
         return m, e
