@@ -242,7 +242,7 @@ def test_toggle_config_and_engine_tokens():
     """The toggle's values and default; an engine (torch attention, fused path) gives the same greedy tokens with
     decode_moe_ffn fused as separate, also switched on a live engine (fp32: the arms agree to rounding)."""
     assert TOGGLES["decode_moe_ffn"] == ("separate", "fused", "branches")
-    assert Toggles().decode_moe_ffn == "separate" and PartialToggles(decode_moe_ffn="fused").decode_moe_ffn == "fused"
+    assert Toggles().decode_moe_ffn == "branches" and PartialToggles(decode_moe_ffn="fused").decode_moe_ffn == "fused"
     cfg, model = _model("tiny-moe")
     kw = dict(attention="torch", page_size=4, max_batch_size=4, max_num_tokens=16, num_kv_pages=200,
               cuda_graphs=False, mask="dense", max_model_len=128, fused_kernels=True, decode_gemv="triton",

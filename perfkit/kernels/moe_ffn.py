@@ -30,7 +30,10 @@ Reference: :func:`moe_ffn_ref`; traffic: :func:`moe_ffn_traffic`.
 Measured on the H200 (docs/h200-runs/2026-12-11/): 1.4 us per layer faster than the separate chain in a CUDA-graph
 probe, but slower in the engine (26B-A4B c1 TPOT 2.914 -> 2.970 ms), whose profile shows each merged kernel as long
 as the kernels it replaces put together (the gate_up launch streams 87 MB at 3.05 TB/s, the experts' gather alone
-63 MB at 3.5 TB/s). Hence the toggle's default, separate.
+63 MB at 3.5 TB/s). So this form is off; since 12-12 the toggle's default is ``branches`` (perfkit/runtime/model.py,
+``Gemma4DecoderLayer._ffn_branches``): each kernel stays what it is and the two branches run side by side on two
+CUDA streams, which hides each launch's ramp and tail behind the other branch (26B-A4B c1 TPOT 2.896 -> 2.750 ms,
+docs/h200-runs/2026-12-12/).
 """
 
 from __future__ import annotations
