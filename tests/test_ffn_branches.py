@@ -11,7 +11,6 @@ equal the separate arm's, also switched live.
 from __future__ import annotations
 
 import copy
-import random
 
 import pytest
 import torch
@@ -19,13 +18,11 @@ import torch
 pytest.importorskip("triton")
 
 from test_decode_fusion import _forward, _model  # noqa: E402
-from test_moe_ffn import _Spy  # noqa: E402
+from test_moe_ffn import CPU_ENGINE, _cpu_tokens, _gpu_engine_case, _Spy  # noqa: E402
 
 from perfkit.errors import PerfkitError  # noqa: E402
 from perfkit.runtime.engine import Engine, EngineConfig  # noqa: E402
 from perfkit.runtime.model import FFN_BRANCH_MAX_ROWS  # noqa: E402
-from perfkit.runtime.model_config import get_preset  # noqa: E402
-from perfkit.runtime.weights import build_model  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -79,16 +76,7 @@ def test_engine_tokens_and_live_switch():
     """An engine (torch attention, fused path) gives the separate arm's greedy tokens with decode_moe_ffn branches,
     also switched on a live engine (fp32: the arms agree to rounding); a bad value is one PerfkitError."""
     cfg, model = _model("tiny-moe")
-    kw = dict(attention="torch", page_size=4, max_batch_size=4, max_num_tokens=16, num_kv_pages=200,
-              cuda_graphs=False, mask="dense", max_model_len=128, fused_kernels=True, decode_gemv="triton",
-              decode_fusion=True, decode_routing=True)  # fmt: skip
-    prompts = [[5, 6, 7], [9, 4], [11, 12, 13, 14]]
-
-    def run(engine):
-        rids = [engine.add_request(p, max_new_tokens=3 + i) for i, p in enumerate(prompts)]
-        got = engine.generate_all()
-        return [got[r] for r in rids]
-
+    kw, run = CPU_ENGINE, _cpu_tokens
     off = run(Engine(copy.deepcopy(model), cfg, EngineConfig(**kw)))
     on = run(Engine(copy.deepcopy(model), cfg, EngineConfig(**kw, decode_moe_ffn="branches")))
     live = Engine(model, cfg, EngineConfig(**kw))
@@ -104,23 +92,15 @@ def test_engine_tokens_and_live_switch():
 # ---- GPU ---------------------------------------------------------------------------------------------------------
 
 
-def _gpu_model():
-    from perfkit.kernels.pdl import pdl_available
-
-    cfg = get_preset("26b-a4b", num_layers=2)
-    model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
-    return cfg, model, pdl_available(torch.device("cuda"))
-
-
 @pytest.mark.gpu
 @gpu
 def test_gpu_side_stream_is_the_serial_order_bit_for_bit():
     """Real-width 26B-A4B, 2 layers, bf16, the fused path with PDL: one and four rows, the dense MLP on the side
     stream gives the logits of the same launches in turn on one stream, bit for bit; a deep copy of the model
     shares the side stream."""
-    cfg, model, pdl = _gpu_model()
+    _, model, kw, _ = _gpu_engine_case(0)
     model.set_fused(True)
-    model.set_pdl(pdl)
+    model.set_pdl(kw["pdl"])
     model.set_decode_gemv("triton")
     model.set_decode_fusion(True, routed=True, moe_ffn="branches")
     side = model.layers[0].ffn_stream
@@ -142,19 +122,7 @@ def test_gpu_engine_tokens_with_the_branches():
     """FlashInfer + CUDA graphs (the branches captured as two graph branches) + the fused path + PDL, staggered
     lengths (mixed steps, then batch 1-8 tails): decode_moe_ffn branches gives the separate arm's greedy tokens,
     also switched on a live engine."""
-    cfg, model, pdl = _gpu_model()
-    rng = random.Random(31)
-    reqs = [[rng.randint(3, 250_000 - 1) for _ in range(rng.randint(1, 200))] for _ in range(12)]
-    kw = dict(attention="flashinfer", cuda_graphs=True, page_size=16, max_batch_size=8, max_num_tokens=512,
-              num_kv_pages=2000, max_model_len=1024, mask="triton", fused_kernels=True, decode_gemv="triton",
-              pdl=pdl, decode_fusion=True, decode_routing=True)  # fmt: skip
-
-    def run(e):
-        rids = [e.add_request(p, max_new_tokens=8 + (i % 5) * 6) for i, p in enumerate(reqs)]
-        got = e.generate_all()
-        e.bm.check_no_leaks()
-        return [got[r] for r in rids]
-
+    cfg, model, kw, run = _gpu_engine_case(31)
     off = run(Engine(model, cfg, EngineConfig(**kw)))
     on = run(Engine(model, cfg, EngineConfig(**kw, decode_moe_ffn="branches")))
     live = Engine(model, cfg, EngineConfig(**kw))

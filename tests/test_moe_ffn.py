@@ -238,22 +238,26 @@ def test_a_dense_model_is_untouched(monkeypatch):
     assert torch.equal(_forward(model, ids), ref) and spy.calls["moe_ffn"] == 0 and spy.routers == 0
 
 
+# The engine toggle's CPU check (also tests/test_ffn_branches.py's): torch attention, the fused path, three prompts.
+CPU_ENGINE = dict(attention="torch", page_size=4, max_batch_size=4, max_num_tokens=16, num_kv_pages=200,
+                  cuda_graphs=False, mask="dense", max_model_len=128, fused_kernels=True, decode_gemv="triton",
+                  decode_fusion=True, decode_routing=True)  # fmt: skip
+
+
+def _cpu_tokens(engine) -> list:
+    """Greedy tokens of three short prompts (3-5 new tokens each), in request order."""
+    rids = [engine.add_request(p, max_new_tokens=3 + i) for i, p in enumerate([[5, 6, 7], [9, 4], [11, 12, 13, 14]])]
+    got = engine.generate_all()
+    return [got[r] for r in rids]
+
+
 def test_toggle_config_and_engine_tokens():
     """The toggle's values and default; an engine (torch attention, fused path) gives the same greedy tokens with
     decode_moe_ffn fused as separate, also switched on a live engine (fp32: the arms agree to rounding)."""
     assert TOGGLES["decode_moe_ffn"] == ("separate", "fused", "branches")
     assert Toggles().decode_moe_ffn == "branches" and PartialToggles(decode_moe_ffn="fused").decode_moe_ffn == "fused"
     cfg, model = _model("tiny-moe")
-    kw = dict(attention="torch", page_size=4, max_batch_size=4, max_num_tokens=16, num_kv_pages=200,
-              cuda_graphs=False, mask="dense", max_model_len=128, fused_kernels=True, decode_gemv="triton",
-              decode_fusion=True, decode_routing=True)  # fmt: skip
-    prompts = [[5, 6, 7], [9, 4], [11, 12, 13, 14]]
-
-    def run(engine):
-        rids = [engine.add_request(p, max_new_tokens=3 + i) for i, p in enumerate(prompts)]
-        got = engine.generate_all()
-        return [got[r] for r in rids]
-
+    kw, run = CPU_ENGINE, _cpu_tokens
     off = run(Engine(copy.deepcopy(model), cfg, EngineConfig(**kw)))
     on = run(Engine(copy.deepcopy(model), cfg, EngineConfig(**kw, decode_moe_ffn="fused")))
     live = Engine(model, cfg, EngineConfig(**kw))
@@ -320,28 +324,36 @@ def test_gpu_block_in_a_graph_matches_the_separate_launches():
     assert worst < 2e-2, worst
 
 
+def _gpu_engine_case(seed: int):
+    """(cfg, model, engine settings, runner) of the GPU engine checks (also tests/test_ffn_branches.py's): a
+    real-width 26B-A4B with 2 layers on CUDA, FlashInfer + CUDA graphs + the fused path + PDL where it runs, and a
+    runner of 12 requests of staggered lengths (mixed steps, then batch 1-8 tails) that checks for page leaks."""
+    from perfkit.kernels.pdl import pdl_available
+
+    cfg = get_preset("26b-a4b", num_layers=2)
+    model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
+    rng = random.Random(seed)
+    reqs = [[rng.randint(3, 250_000 - 1) for _ in range(rng.randint(1, 200))] for _ in range(12)]
+    kw = dict(attention="flashinfer", cuda_graphs=True, page_size=16, max_batch_size=8, max_num_tokens=512,
+              num_kv_pages=2000, max_model_len=1024, mask="triton", fused_kernels=True, decode_gemv="triton",
+              pdl=pdl_available(torch.device("cuda")), decode_fusion=True, decode_routing=True)  # fmt: skip
+
+    def run(e) -> list:
+        rids = [e.add_request(p, max_new_tokens=8 + (i % 5) * 6) for i, p in enumerate(reqs)]
+        got = e.generate_all()
+        e.bm.check_no_leaks()
+        return [got[r] for r in rids]
+
+    return cfg, model, kw, run
+
+
 @pytest.mark.gpu
 @gpu
 def test_gpu_engine_tokens_with_the_block_fused():
     """A real-width 26B-A4B with 2 layers, FlashInfer + CUDA graphs + the fused path + PDL, staggered lengths
     (mixed steps, then batch-1 tails): decode_moe_ffn fused gives the separate arm's greedy tokens, also switched
     on a live engine."""
-    from perfkit.kernels.pdl import pdl_available
-
-    cfg = get_preset("26b-a4b", num_layers=2)
-    model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
-    rng = random.Random(29)
-    reqs = [[rng.randint(3, 250_000 - 1) for _ in range(rng.randint(1, 200))] for _ in range(12)]
-    kw = dict(attention="flashinfer", cuda_graphs=True, page_size=16, max_batch_size=8, max_num_tokens=512,
-              num_kv_pages=2000, max_model_len=1024, mask="triton", fused_kernels=True, decode_gemv="triton",
-              pdl=pdl_available(torch.device("cuda")), decode_fusion=True, decode_routing=True)  # fmt: skip
-
-    def run(e):
-        rids = [e.add_request(p, max_new_tokens=8 + (i % 5) * 6) for i, p in enumerate(reqs)]
-        got = e.generate_all()
-        e.bm.check_no_leaks()
-        return [got[r] for r in rids]
-
+    cfg, model, kw, run = _gpu_engine_case(29)
     off = run(Engine(model, cfg, EngineConfig(**kw)))
     on = run(Engine(model, cfg, EngineConfig(**kw, decode_moe_ffn="fused")))
     live = Engine(model, cfg, EngineConfig(**kw))
