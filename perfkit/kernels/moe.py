@@ -735,12 +735,6 @@ def _moe_gather_down_w4a16_kernel(
 # --------------------------------------------------------------------------------------------------------------
 
 
-# Up to this many experts the routing kernel runs on one warp: its 8 argmax rounds are then warp shuffles, with no
-# shared-memory round trip and barrier per reduction. With decode_moe_ffn=branches the routing launch is on the
-# step's critical path (the experts' branch); docs/h200-runs/2026-12-12/ call 6.
-ROUTING_ONE_WARP_MAX_E = 256
-
-
 def moe_routing(
     logits: torch.Tensor, top_k: int, per_expert_scale: torch.Tensor, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -757,8 +751,8 @@ def moe_routing(
         block_e = triton.next_power_of_2(E)
         _moe_routing_kernel[(T,)](
             logits, per_expert_scale, w, idx, E, logits.stride(0),
-            TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=block_e,
-            num_warps=1 if block_e <= ROUTING_ONE_WARP_MAX_E else max(1, min(4, block_e // 64)), **pdl_launch(pdl),
+            TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=block_e, num_warps=max(1, min(4, block_e // 64)),
+            **pdl_launch(pdl),
         )  # fmt: skip
     return w, idx
 
