@@ -42,13 +42,15 @@ def _forward(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 class _Spy:
-    """Counts calls of the shared kernel namespace's launchers (model._kernels() is cached per pdl value)."""
+    """Counts calls of the shared kernel namespace's launchers (model._kernels() is cached per pdl value), those
+    with glu=True and those with a router (tests/test_moe_ffn.py's spy: other NAMES)."""
 
     NAMES = ("gemv", "gemv_pair", "gemv_routed", "gelu_mul_cat", "moe_routing")
 
     def __init__(self, monkeypatch):
         self.calls: dict[str, int] = dict.fromkeys(self.NAMES, 0)
         self.glu = 0
+        self.routers = 0
         ns = model_mod._kernels()
         for name in self.NAMES:
             monkeypatch.setattr(ns, name, self._wrap(name, getattr(ns, name)))
@@ -57,6 +59,7 @@ class _Spy:
         def spy(*args, **kwargs):
             self.calls[name] += 1
             self.glu += bool(kwargs.get("glu"))
+            self.routers += kwargs.get("router") is not None
             return fn(*args, **kwargs)
 
         return spy

@@ -20,12 +20,12 @@ import torch
 pytest.importorskip("triton")
 
 from test_decode_fusion import _forward, _model  # noqa: E402
+from test_decode_fusion import _Spy as _FusionSpy  # noqa: E402
 
 from perfkit.config import PartialToggles, Toggles  # noqa: E402
 from perfkit.kernels import moe  # noqa: E402
 from perfkit.kernels.moe_ffn import moe_ffn, moe_ffn_ref, moe_ffn_traffic  # noqa: E402
 from perfkit.kernels.rmsnorm import sandwich_rmsnorm, sandwich_rmsnorm_ref, sandwich_rmsnorm_traffic  # noqa: E402
-from perfkit.runtime import model as model_mod  # noqa: E402
 from perfkit.runtime.engine import TOGGLES, Engine, EngineConfig  # noqa: E402
 from perfkit.runtime.model_config import get_preset  # noqa: E402
 from perfkit.runtime.weights import build_model  # noqa: E402
@@ -172,23 +172,8 @@ def test_kernels_compile_for_sm90():
 # ---- the model and the engine ------------------------------------------------------------------------------------
 
 
-class _Spy:
+class _Spy(_FusionSpy):
     NAMES = ("moe_ffn", "gemv_pair", "gemv_routed", "moe_routing", "fused_moe", "sandwich")
-
-    def __init__(self, monkeypatch):
-        self.calls = dict.fromkeys(self.NAMES, 0)
-        self.routers = 0
-        ns = model_mod._kernels()
-        for name in self.NAMES:
-            monkeypatch.setattr(ns, name, self._wrap(name, getattr(ns, name)))
-
-    def _wrap(self, name, fn):
-        def spy(*args, **kwargs):
-            self.calls[name] += 1
-            self.routers += kwargs.get("router") is not None
-            return fn(*args, **kwargs)
-
-        return spy
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -654,6 +654,11 @@ class Gemma4DecoderLayer(nn.Module):
         sandwich's router programs read); else None."""
         if self.decode_moe_ffn != "branches" or not self.enable_moe_block or a.shape[0] > FFN_BRANCH_MAX_ROWS:
             return None
+        return self._sandwich_router(a)
+
+    def _sandwich_router(self, a: Tensor) -> Tensor | None:
+        """The router's [E, H] weight if the attention sandwich's router programs can read it (a plain, contiguous
+        weight in a's dtype: the fused FFN block's and the branches' condition); else None."""
         w_r = _plain_weight(self.router.proj)
         return w_r if w_r is not None and w_r.is_contiguous() and w_r.dtype == a.dtype else None
 
@@ -681,9 +686,9 @@ class Gemma4DecoderLayer(nn.Module):
         gate_up merged, bf16 experts (not quantised, not expert-parallel); else None (the separate launches)."""
         if not self.enable_moe_block or a.shape[0] != 1 or type(self.experts) is not Gemma4Experts:
             return None
-        w_gu, w_down, w_r = self.mlp.merged_weight(), _plain_weight(self.mlp.down_proj), _plain_weight(self.router.proj)
+        w_gu, w_down, w_r = self.mlp.merged_weight(), _plain_weight(self.mlp.down_proj), self._sandwich_router(a)
         ex = self.experts
-        if w_gu is None or w_down is None or w_r is None or not w_r.is_contiguous() or w_r.dtype != a.dtype:
+        if w_gu is None or w_down is None or w_r is None:
             return None
         if not K.moe_ffn_fits(a, w_gu, w_down, ex.gate_up_proj, ex.down_proj, self.router.top_k):
             return None
