@@ -95,7 +95,7 @@ def test_engine_tokens_and_live_switch():
 @pytest.mark.gpu
 @gpu
 def test_gpu_side_stream_is_the_serial_order_bit_for_bit():
-    """Real-width 26B-A4B, 2 layers, bf16, the fused path with PDL: one and four rows, the dense MLP on the side
+    """Real-width 26B-A4B, 2 layers, bf16, the fused path with PDL: 1, 4 and 32 rows, the dense MLP on the side
     stream gives the logits of the same launches in turn on one stream, bit for bit; a deep copy of the model
     shares the side stream."""
     _, model, kw, _ = _gpu_engine_case(0)
@@ -106,7 +106,7 @@ def test_gpu_side_stream_is_the_serial_order_bit_for_bit():
     side = model.layers[0].ffn_stream
     assert side is not None and all(layer.ffn_stream is side for layer in model.layers)
     assert copy.deepcopy(model).layers[0].ffn_stream is side
-    for rows in (1, 4):
+    for rows in (1, 4, FFN_BRANCH_MAX_ROWS):
         ids = torch.randint(3, 250_000, (rows,), device="cuda")
         got = _forward(model, ids)
         model._set_module_flag("ffn_stream", None)
@@ -118,11 +118,12 @@ def test_gpu_side_stream_is_the_serial_order_bit_for_bit():
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_engine_tokens_with_the_branches():
+@pytest.mark.parametrize("requests, max_batch", [(12, 8), (40, 32)])
+def test_gpu_engine_tokens_with_the_branches(requests, max_batch):
     """FlashInfer + CUDA graphs (the branches captured as two graph branches) + the fused path + PDL, staggered
-    lengths (mixed steps, then batch 1-8 tails): decode_moe_ffn branches gives the separate arm's greedy tokens,
-    also switched on a live engine."""
-    cfg, model, kw, run = _gpu_engine_case(31)
+    lengths (mixed steps, then tails of 1 to max_batch rows; 32 = FFN_BRANCH_MAX_ROWS): decode_moe_ffn branches
+    gives the separate arm's greedy tokens, also switched on a live engine."""
+    cfg, model, kw, run = _gpu_engine_case(31, requests, max_batch)
     off = run(Engine(model, cfg, EngineConfig(**kw)))
     on = run(Engine(model, cfg, EngineConfig(**kw, decode_moe_ffn="branches")))
     live = Engine(model, cfg, EngineConfig(**kw))

@@ -309,17 +309,18 @@ def test_gpu_block_in_a_graph_matches_the_separate_launches():
     assert worst < 2e-2, worst
 
 
-def _gpu_engine_case(seed: int):
+def _gpu_engine_case(seed: int, requests: int = 12, max_batch_size: int = 8):
     """(cfg, model, engine settings, runner) of the GPU engine checks (also tests/test_ffn_branches.py's): a
     real-width 26B-A4B with 2 layers on CUDA, FlashInfer + CUDA graphs + the fused path + PDL where it runs, and a
-    runner of 12 requests of staggered lengths (mixed steps, then batch 1-8 tails) that checks for page leaks."""
+    runner of ``requests`` requests of staggered lengths (mixed steps, then tails of 1 to ``max_batch_size`` rows)
+    that checks for page leaks."""
     from perfkit.kernels.pdl import pdl_available
 
     cfg = get_preset("26b-a4b", num_layers=2)
     model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
     rng = random.Random(seed)
-    reqs = [[rng.randint(3, 250_000 - 1) for _ in range(rng.randint(1, 200))] for _ in range(12)]
-    kw = dict(attention="flashinfer", cuda_graphs=True, page_size=16, max_batch_size=8, max_num_tokens=512,
+    reqs = [[rng.randint(3, 250_000 - 1) for _ in range(rng.randint(1, 200))] for _ in range(requests)]
+    kw = dict(attention="flashinfer", cuda_graphs=True, page_size=16, max_batch_size=max_batch_size, max_num_tokens=512,
               num_kv_pages=2000, max_model_len=1024, mask="triton", fused_kernels=True, decode_gemv="triton",
               pdl=pdl_available(torch.device("cuda")), decode_fusion=True, decode_routing=True)  # fmt: skip
 

@@ -20,7 +20,7 @@ Toggles (settable on a live engine with `set_toggle`; both arms of every toggle 
   gemv launch; bit for bit)   decode_routing=separate|fused (with decode_fusion: the MoE routing as one more
   program of the dense down gemv's launch; the routing weights to fp32 rounding)
   decode_moe_ffn=separate|fused|branches (with decode_fusion: a MoE layer's feed-forward block at decode; fused: at
-  batch 1 in two launches, the router's product in the attention sandwich's; branches: up to 8 rows, the dense MLP
+  batch 1 in two launches, the router's product in the attention sandwich's; branches: up to 32 rows, the dense MLP
   on a second CUDA stream beside the routing and the experts, the router's product in the sandwich's launch;
   rounding-level: the router's sums run in another order, and fused's dense branch rounds once)
   decode_prologue=separate|fused (fused_kernels on, decode-only steps on the Triton decode: the q/k norm + RoPE and
