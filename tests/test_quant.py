@@ -1225,6 +1225,7 @@ def test_gpu_w4a16_real_shapes_and_timing(M, N, K, path):
     r = bench_w4a16(M, N, K, path=path)
     print(r)
     assert r["rel_err_vs_ref"] < 5e-3  # bf16 output rounding (~1e-3); the weights are exact
+    assert r["chain_us"] > 0 and r["chain_pct_of_stream"] == pytest.approx(100 * r["stream_chain_us"] / r["chain_us"])
 
 
 @pytest.mark.gpu

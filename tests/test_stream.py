@@ -7,7 +7,16 @@ import pytest
 import torch
 
 from perfkit.kernels.launch import sm_count
-from perfkit.kernels.stream import StreamConfig, stream_fold, stream_read_ms, stream_ref, stream_traffic
+from perfkit.kernels.stream import (
+    CHAIN_BYTES,
+    StreamConfig,
+    chain_copies,
+    stream_chain_us,
+    stream_fold,
+    stream_read_ms,
+    stream_ref,
+    stream_traffic,
+)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -41,6 +50,15 @@ def test_traffic_counts_whole_words():
 def test_ceiling_needs_cuda():
     with pytest.raises(RuntimeError, match="needs CUDA"):
         stream_read_ms(1 << 20)
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        stream_chain_us(1 << 20)
+
+
+def test_chain_copies_cover_the_chain_bytes():
+    """Enough distinct buffers that the chain reads CHAIN_BYTES (L2 never serves a re-read), within [2, most]."""
+    assert chain_copies(CHAIN_BYTES // 10) == 10
+    assert chain_copies(CHAIN_BYTES // 10 - 1) == 11
+    assert chain_copies(CHAIN_BYTES * 3) == 2 and chain_copies(1) == 20 and chain_copies(1, most=12) == 12
 
 
 @pytest.mark.gpu
@@ -49,6 +67,10 @@ def test_ceiling_on_gpu():
         pytest.skip("needs CUDA")
     r = stream_read_ms(64 << 20, warmup=2, rep=5)
     assert set(r) == {"stream_ms", "stream_tb_s", "config"} and 0.1 < r["stream_tb_s"] < 20
+    c = stream_chain_us(64 << 20)
+    assert set(c) == {"stream_chain_us", "stream_chain_tb_s", "config"} and 0.1 < c["stream_chain_tb_s"] < 20
+    # a launch in a chain has no graph launch of its own to pay: never slower than one launch alone
+    assert c["stream_chain_us"] < 1e3 * r["stream_ms"]
 
 
 def test_main_without_cuda_or_with_bad_sizes_exits_2(capsys, monkeypatch):

@@ -81,8 +81,8 @@ import triton
 import triton.language as tl
 
 from perfkit.kernels.launch import interpreting, sm_count
-from perfkit.kernels.stream import stream_read_ms
-from perfkit.kernels.timing import graph_ms
+from perfkit.kernels.stream import CHAIN_CALLS, CHAIN_REPLAYS, chain_copies, stream_chain_us, stream_read_ms
+from perfkit.kernels.timing import graph_ms, graph_sequence_us
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of codes 0..7; code | 8 is the negative
 FP4_MAX = 6.0
@@ -1357,20 +1357,37 @@ def _bench_case(
     stream_ms: float,
     warmup: int,
     rep: int,
+    chain: tuple[Sequence[tuple[torch.Tensor, ...]], float] | None = None,
 ) -> dict:
+    """One (path, tile) timed three ways: eager (do_bench), one launch per CUDA-graph replay (``graph_ms``), and,
+    with ``chain = (weights, stream_chain_us)`` (CUDA), CHAIN_CALLS launches back to back over those distinct
+    (packed, scale, global scale) weights, against the load-only chain of the same bytes: the decode step's
+    condition, without the fixed cost of a lone launch that flatters ``graph_pct_of_stream``
+    (``perfkit.kernels.stream.stream_chain_us``)."""
     M, K = x.shape
     N = packed.shape[0]
     chosen = pick_path(M, path)
     cfg = config or pick_config(M, chosen, x.dtype, N, sm_count(x.device))
 
+    def call(w: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return w4a16_gemm(x, *w, config=cfg, scale_mode=scale_mode, path=chosen)
+
     def fn():
-        return w4a16_gemm(x, packed, scale, gs, config=cfg, scale_mode=scale_mode, path=chosen)
+        return call((packed, scale, gs))
 
     out = fn()
     rel = ((out.float() - ref).norm() / ref.norm()).item()
     ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
     g_ms = graph_ms(fn, warmup, rep)
     t = w4a16_gemm_traffic(M, N, K, x.element_size(), x.element_size())
+    chained = {}
+    if chain is not None:
+        chain_us = graph_sequence_us(call, chain[0], CHAIN_CALLS, CHAIN_REPLAYS)
+        chained = {
+            "chain_us": chain_us,
+            "stream_chain_us": chain[1],
+            "chain_pct_of_stream": 100.0 * chain[1] / chain_us,
+        }
     return {
         "M": M,
         "N": N,
@@ -1388,7 +1405,20 @@ def _bench_case(
         "bf16_cublas_ms": dense_ms,
         "speedup_vs_bf16": dense_ms / ms,
         "rel_err_vs_ref": rel,
+        **chained,
     }
+
+
+def _chain_setup(
+    M: int, N: int, K: int, first: tuple[torch.Tensor, ...], dtype: torch.dtype, device: str
+) -> tuple[list[tuple[torch.Tensor, ...]], float] | None:
+    """(distinct weights for the chained timing, the load-only chain of the GEMM's bytes) on CUDA; None elsewhere
+    (the CPU smoke runs). ``first`` is the bench's own weight; the others are fresh random ones of its shape."""
+    if not str(device).startswith("cuda"):
+        return None
+    nbytes = int(w4a16_gemm_traffic(M, N, K, torch.empty((), dtype=dtype).element_size())["total_bytes"])
+    weights = [first] + [_bench_weights(N, K, dtype, 1000 + i, device)[:3] for i in range(chain_copies(nbytes, 12) - 1)]
+    return weights, stream_chain_us(nbytes, device)["stream_chain_us"]
 
 
 def bench_w4a16(
@@ -1403,9 +1433,10 @@ def bench_w4a16(
     device: str = "cuda",
 ) -> dict:
     """GPU timing of one W4A16 GEMM (random weights, NVFP4-quantised): median ms of eager calls
-    (triton.testing.do_bench, L2 flushed between reps) and of CUDA-graph replays (``graph_ms``), the bandwidth
-    bound and the % of it reached, the dense cuBLAS GEMM of the same shape, the error against the reference, the
-    path taken and its tile."""
+    (triton.testing.do_bench, L2 flushed between reps) and of CUDA-graph replays (``graph_ms``), us per launch in a
+    back-to-back chain (``chain_us``), the bandwidth bound and the % of it reached, the load-only ceilings of the
+    same bytes (one launch, chained), the dense cuBLAS GEMM of the same shape, the error against the reference,
+    the path taken and its tile."""
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("bench_w4a16 needs CUDA")
     packed, scale, gs, w_dense, gen = _bench_weights(N, K, dtype, seed, device)
@@ -1413,7 +1444,8 @@ def bench_w4a16(
     ref = w4a16_gemm_ref(x, packed, scale, gs, out_dtype=torch.float32)
     dense_ms = triton.testing.do_bench(lambda: x @ w_dense.T, return_mode="median")
     stream_ms = _stream_ms(M, N, K, x.element_size(), device, 25, 100)
-    return _bench_case(x, packed, scale, gs, ref, path, config, scale_mode, dense_ms, stream_ms, 25, 100)
+    chain = _chain_setup(M, N, K, (packed, scale, gs), dtype, device)
+    return _bench_case(x, packed, scale, gs, ref, path, config, scale_mode, dense_ms, stream_ms, 25, 100, chain)
 
 
 def _stream_ms(M: int, N: int, K: int, act_bytes: int, device: str, warmup: int, rep: int) -> float:
@@ -1571,20 +1603,18 @@ def sweep_w4a16(
                 lambda x=x, w=w_dense: x @ w.T, warmup=warmup, rep=rep, return_mode="median"
             )
             stream_ms = _stream_ms(M, N, K, x.element_size(), device, warmup, rep)
+            chain = _chain_setup(M, N, K, (packed, scale, gs), dtype, device)
             for p in paths:
                 if p == "gemv" and M > SWEEP_GEMV_MAX_M:
                     continue
                 for cfg in configs.get(p, (None,)):
                     try:
-                        emit(
-                            _bench_case(
-                                x, packed, scale, gs, ref, p, cfg, "broadcast", dense_ms, stream_ms, warmup, rep
-                            )
-                        )
+                        case = (x, packed, scale, gs, ref, p, cfg, "broadcast", dense_ms, stream_ms, warmup, rep, chain)
+                        emit(_bench_case(*case))
                     except Exception as exc:  # a tile that does not compile or fit: record it, keep sweeping
                         emit({"M": M, "N": N, "K": K, "path": p, "config": asdict(cfg or pick_config(M, p, dtype, N, sm_count(x.device))),
                               "error": f"{type(exc).__name__}: {exc}"[:300]})  # fmt: skip
-            del ref
+            del ref, chain
         del packed, scale, gs, w_dense
         if device == "cuda":
             torch.cuda.empty_cache()
