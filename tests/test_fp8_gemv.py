@@ -435,3 +435,15 @@ def test_result_records_the_fp8_decode_gemv_rule():
 
     assert _quant_info(report("fp8-scaled-mm"))["fp8_gemv_max_m"] == FP8_GEMV_MAX_M
     assert "fp8_gemv_max_m" not in _quant_info(report("fp8-ref"))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_bench_reports_the_chain():
+    """bench_fp8_gemv at a 31B decode shape: exact to the reference's rounding, one-launch and chained timings, the
+    chained % against the chained load-only read of the same bytes."""
+    r = fg.bench_fp8_gemv(1, 5376, 8192)
+    print(r)
+    assert r["rel_err_vs_ref"] < 1e-2
+    assert r["chain_us"] > 0 and r["stream_chain_us"] > 0
+    assert r["chain_pct_of_stream"] == pytest.approx(100 * r["stream_chain_us"] / r["chain_us"])

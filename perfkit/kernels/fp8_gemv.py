@@ -71,7 +71,7 @@ import triton.language as tl
 
 from perfkit.kernels.fp8 import FP8_DTYPE, dequantize_fp8_rowwise, fp8_linear, fp8_supported, quantize_fp8_rowwise
 from perfkit.kernels.launch import interpreting, sm_count
-from perfkit.kernels.stream import stream_read_ms
+from perfkit.kernels.stream import chain_columns, chain_copies, stream_chain_us, stream_read_ms
 from perfkit.kernels.timing import graph_ms
 from perfkit.kernels.w4a16_gemm import HBM_BYTES_PER_S, _finish_split
 
@@ -499,7 +499,11 @@ def _gemv_row(
     baselines: dict[str, float | None],
     warmup: int,
     rep: int,
+    chain: tuple[Sequence[tuple[torch.Tensor, torch.Tensor]], float] | None = None,
 ) -> dict:
+    """One tile timed as one launch per CUDA-graph replay (``graph_ms``) and, with ``chain = (weights,
+    stream_chain_us)``, back to back over those distinct (q, scale) weights against the load-only chain of the
+    same bytes (``perfkit.kernels.stream.stream_chain_us``: the decode step's condition)."""
     M, K = x.shape
     N = q.shape[0]
 
@@ -529,6 +533,7 @@ def _gemv_row(
         "speedup_vs_bf16": bf16_ms / ms,
         "speedup_vs_scaled_mm": None if mm_ms is None else mm_ms / ms,
         "rel_err_vs_ref": err,
+        **({} if chain is None else chain_columns(lambda w: fp8_gemv(x, *w, config=cfg), *chain)),
     }
 
 
@@ -555,7 +560,8 @@ def bench_fp8_gemv(
     device: str = "cuda",
 ) -> dict:
     """GPU timing of one FP8 GEMV (random weights): CUDA-graph median (``graph_ms``, L2 flushed between
-    replays), the bandwidth bound and the % of it reached, bf16 cuBLAS and the W8A8 ``fp8_linear`` at the same
+    replays), us per launch in a back-to-back chain (``chain_us``) against the chained load-only read, the bandwidth
+    bound and the % of it reached, bf16 cuBLAS and the W8A8 ``fp8_linear`` at the same
     shape, and the max relative error against ``fp8_gemv_ref``."""
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("bench_fp8_gemv needs CUDA")
@@ -563,7 +569,12 @@ def bench_fp8_gemv(
     x = torch.randn(M, K, device=device, generator=torch.Generator(device=device).manual_seed(seed + 1)).to(dtype)
     ref = fp8_gemv_ref(x, q, s, out_dtype=torch.float32)
     base = _baselines(x, q, s, w_bf16, warmup, rep)
-    return _gemv_row(x, q, s, ref, config or default_config(), base, warmup, rep)
+    nbytes = int(fp8_gemv_traffic(M, N, K, x.element_size(), x.element_size())["total_bytes"])
+    weights = [(q, s)] + [
+        _bench_weights(N, K, seed + 1000 + i, device)[:2] for i in range(chain_copies(nbytes, 12) - 1)
+    ]
+    chain = (weights, stream_chain_us(nbytes, device)["stream_chain_us"])
+    return _gemv_row(x, q, s, ref, config or default_config(), base, warmup, rep, chain)
 
 
 def _sweep_summary(results: Sequence[dict]) -> list[dict]:

@@ -165,6 +165,13 @@ def stream_chain_us(nbytes: int, device: str = "cuda", configs=STREAM_CONFIGS) -
     return best
 
 
+def chain_columns(call, args, stream_us: float) -> dict:
+    """A bench row's chain columns: ``call(a)`` timed CHAIN_CALLS times back to back over the distinct ``args``
+    (us per call), the load-only chain of the same bytes ``stream_us`` (``stream_chain_us``) and the % of it."""
+    us = graph_sequence_us(call, args, CHAIN_CALLS, CHAIN_REPLAYS)
+    return {"chain_us": us, "stream_chain_us": stream_us, "chain_pct_of_stream": 100.0 * stream_us / us}
+
+
 def _main(argv=None) -> int:
     import argparse
     import json

@@ -81,8 +81,8 @@ import triton
 import triton.language as tl
 
 from perfkit.kernels.launch import interpreting, sm_count
-from perfkit.kernels.stream import CHAIN_CALLS, CHAIN_REPLAYS, chain_copies, stream_chain_us, stream_read_ms
-from perfkit.kernels.timing import graph_ms, graph_sequence_us
+from perfkit.kernels.stream import chain_columns, chain_copies, stream_chain_us, stream_read_ms
+from perfkit.kernels.timing import graph_ms
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of codes 0..7; code | 8 is the negative
 FP4_MAX = 6.0
@@ -1380,14 +1380,6 @@ def _bench_case(
     ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
     g_ms = graph_ms(fn, warmup, rep)
     t = w4a16_gemm_traffic(M, N, K, x.element_size(), x.element_size())
-    chained = {}
-    if chain is not None:
-        chain_us = graph_sequence_us(call, chain[0], CHAIN_CALLS, CHAIN_REPLAYS)
-        chained = {
-            "chain_us": chain_us,
-            "stream_chain_us": chain[1],
-            "chain_pct_of_stream": 100.0 * chain[1] / chain_us,
-        }
     return {
         "M": M,
         "N": N,
@@ -1405,7 +1397,7 @@ def _bench_case(
         "bf16_cublas_ms": dense_ms,
         "speedup_vs_bf16": dense_ms / ms,
         "rel_err_vs_ref": rel,
-        **chained,
+        **({} if chain is None else chain_columns(call, *chain)),
     }
 
 
