@@ -126,7 +126,7 @@ MOE_FFN_FORMS = ("separate", "fused", "branches")  # a MoE layer's FFN block at 
 # The most rows a step may have for the FFN branches (decode_moe_ffn=branches): the decode graphs' batches up to
 # 32; larger (prefill) steps take the separate launches. H200, 26B-A4B bf16 TPOT, separate -> branches: c1 -5.0 %,
 # c4 -8.9 % (docs/h200-runs/2026-12-12), and with the limit raised from 8 (12-13 call 3, one run each) c8 -6.4 %,
-# c16 -4.8 %, c32 -3.8 %. Not measured above 32 rows.
+# c16 -4.8 %, c32 -3.8 %; above it no gain (call 6: c48 -0.4 %, c64 -0.9 %, the decode forward's device time +-0.4 %).
 FFN_BRANCH_MAX_ROWS = 32
 
 
