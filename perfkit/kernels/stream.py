@@ -6,7 +6,10 @@ with this probe on the H200 (``docs/h200-runs/2026-12-01d/7-stream_sizes.jsonl``
 58 MB (the words of a 5376 x 21504 NVFP4 weight) at 2.43 TB/s, 131 MB at 3.04, 524 MB at 4.09; cuBLAS's bf16
 GEMV over 58 MB reached 2.31 TB/s in the same session. So the kernel benchmarks report both: % of the spec
 bound, and % of this measured ceiling (``stream_ms`` of the same bytes, CUDA-graph replay, L2 flushed between
-replays as for the kernel itself).
+replays as for the kernel itself). Since 12-13 they also report both times in a back-to-back chain over distinct
+buffers (``stream_chain_us``, ``chain_columns``): the decode step's condition, where a launch does not pay the
+fixed cost a lone launch does (that cost, in kernel and ceiling alike, lifts the one-launch ratio by 9-13 points
+for the W4A16 gemv).
 
 The kernel reads int32 words in contiguous per-program spans (16 B vector loads per thread, ``UNROLL`` loads in
 flight per thread) and folds them with XOR into one word per lane, so nothing but the read is timed (the
@@ -131,7 +134,7 @@ def stream_read_ms(nbytes: int, device: str = "cuda", configs=STREAM_CONFIGS, wa
     return best
 
 
-CHAIN_CALLS = 20  # launches per graph in the chained timings (stream_chain_us, the W4A16 bench's chain_us)
+CHAIN_CALLS = 20  # launches per graph in the chained timings (stream_chain_us, the W4A16 / FP8 benches' chain_us)
 CHAIN_REPLAYS = 15
 CHAIN_BYTES = 400_000_000  # distinct buffers cycled through per chain: ~8x the H200's 50 MB L2
 
