@@ -1,5 +1,5 @@
 """A tensor-core W4A16 at M = 1 in Triton: does the dequantised weight reach the wgmma from registers, and at what
-instruction cost? (12-13, local sm_90 compile only: not run on the H200)
+instruction cost? (12-13: an sm_90 compile here; timed on the H200 in call 7, ``python3 mma_compile_probe.py time``)
 
 Finding (Triton 3.9 here, ``python3 mma_compile_probe.py sass``): when each nibble plane of the packed bytes feeds
 its own ``tl.dot`` (no join of the planes), Triton stages the packed uint8 tile through shared memory, loads it
@@ -82,8 +82,45 @@ def mma_gemv(x, packed, scale, gs, BN=64, BK=64, num_warps=4, num_stages=3, xx=N
     return out
 
 
+def time_chain():
+    """On the H200: us per launch in a back-to-back chain (distinct weights) of the default W4A16 gemv and of this
+    kernel's tiles at the five 31B M = 1 shapes; x's [K, 16] fp16 staging is built once per x, outside the timing
+    (an engine form would fold it into the previous launch)."""
+    import json
+
+    from perfkit.kernels.stream import chain_copies
+    from perfkit.kernels.timing import graph_sequence_us
+
+    tiles = ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 4))
+    for N, K in ((5376, 21504), (43008, 5376), (16384, 5376), (5376, 16384), (5376, 8192)):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        copies = chain_copies(W.w4a16_gemm_traffic(1, N, K)["weight_bytes"], 12)
+        ws = [W.quantize_nvfp4(torch.randn(N, K, device="cuda", generator=gen) * 0.02) for _ in range(copies)]
+        x = (torch.randn(1, K, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+        xx = torch.zeros((K, 16), dtype=torch.float16, device="cuda")
+        xx[:, 0] = x[0].to(torch.float16)
+        ref = W.w4a16_gemm_ref(x, *ws[0])
+        row = {"N": N, "K": K, "default": round(graph_sequence_us(lambda w: W.w4a16_gemm(x, *w), ws, 20, 15), 2)}
+        for bn, bk, nw, ns in tiles:
+            name = f"mma_{bn}x{bk}_w{nw}_s{ns}"
+            try:
+
+                def f(w, bn=bn, bk=bk, nw=nw, ns=ns):
+                    return mma_gemv(x, *w, BN=bn, BK=bk, num_warps=nw, num_stages=ns, xx=xx)
+
+                rel = ((f(ws[0]).float() - ref).norm() / ref.norm()).item()
+                row[name] = {"chain_us": round(graph_sequence_us(f, ws, 20, 15), 2), "rel": round(rel, 5)}
+            except Exception as e:  # a tile the device's triton rejects
+                row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        print(json.dumps(row), flush=True)
+        del ws
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "sass":
+    if sys.argv[1] == "time":
+        time_chain()
+    elif sys.argv[1] == "sass":
         bin = os.path.dirname(triton.__file__) + "/backends/nvidia/bin"
         for BN, BK, nw, ns in ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3)):
             sig = {
