@@ -100,12 +100,12 @@ def time_chain():
         xx = torch.zeros((K, 16), dtype=torch.float16, device="cuda")
         xx[:, 0] = x[0].to(torch.float16)
         ref = W.w4a16_gemm_ref(x, *ws[0])
-        row = {"N": N, "K": K, "default": round(graph_sequence_us(lambda w: W.w4a16_gemm(x, *w), ws, 20, 15), 2)}
+        row = {"N": N, "K": K, "default": round(graph_sequence_us(lambda w, x=x: W.w4a16_gemm(x, *w), ws, 20, 15), 2)}
         for bn, bk, nw, ns in tiles:
             name = f"mma_{bn}x{bk}_w{nw}_s{ns}"
             try:
 
-                def f(w, bn=bn, bk=bk, nw=nw, ns=ns):
+                def f(w, bn=bn, bk=bk, nw=nw, ns=ns, x=x, xx=xx):
                     return mma_gemv(x, *w, BN=bn, BK=bk, num_warps=nw, num_stages=ns, xx=xx)
 
                 rel = ((f(ws[0]).float() - ref).norm() / ref.norm()).item()
