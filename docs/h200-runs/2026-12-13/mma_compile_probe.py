@@ -1,5 +1,6 @@
 """A tensor-core W4A16 at M = 1 in Triton: does the dequantised weight reach the wgmma from registers, and at what
-instruction cost? (12-13: an sm_90 compile here; timed on the H200 in call 7, ``python3 mma_compile_probe.py time``)
+instruction cost? (12-13: an sm_90 compile here; timed on the H200 in call 7, ``python3 mma_compile_probe.py time``: 5-16x slower
+than the gemv, 42-84 programs on the 5376-row shapes and ~10 instructions per weight element)
 
 Finding (Triton 3.9 here, ``python3 mma_compile_probe.py sass``): when each nibble plane of the packed bytes feeds
 its own ``tl.dot`` (no join of the planes), Triton stages the packed uint8 tile through shared memory, loads it
