@@ -71,7 +71,7 @@ import triton.language as tl
 
 from perfkit.kernels.fp8 import FP8_DTYPE, dequantize_fp8_rowwise, fp8_linear, fp8_supported, quantize_fp8_rowwise
 from perfkit.kernels.launch import interpreting, sm_count
-from perfkit.kernels.stream import chain_columns, chain_copies, stream_chain_us, stream_read_ms
+from perfkit.kernels.stream import chain_args, chain_columns, stream_chain_us, stream_read_ms
 from perfkit.kernels.timing import graph_ms
 from perfkit.kernels.w4a16_gemm import HBM_BYTES_PER_S, _finish_split
 
@@ -570,9 +570,7 @@ def bench_fp8_gemv(
     ref = fp8_gemv_ref(x, q, s, out_dtype=torch.float32)
     base = _baselines(x, q, s, w_bf16, warmup, rep)
     nbytes = int(fp8_gemv_traffic(M, N, K, x.element_size(), x.element_size())["total_bytes"])
-    weights = [(q, s)] + [
-        _bench_weights(N, K, seed + 1000 + i, device)[:2] for i in range(chain_copies(nbytes, 12) - 1)
-    ]
+    weights = chain_args((q, s), lambda i: _bench_weights(N, K, seed + 1000 + i, device)[:2], nbytes)
     chain = (weights, stream_chain_us(nbytes, device)["stream_chain_us"])
     return _gemv_row(x, q, s, ref, config or default_config(), base, warmup, rep, chain)
 

@@ -168,6 +168,12 @@ def stream_chain_us(nbytes: int, device: str = "cuda", configs=STREAM_CONFIGS) -
     return best
 
 
+def chain_args(first, make, nbytes: int) -> list:
+    """The distinct inputs of a bench's chained timing (``chain_columns``' ``args``): ``first`` (the bench's own
+    weights), then ``make(0)``, ``make(1)``, ... for ``chain_copies(nbytes, 12)`` inputs of ``nbytes`` in all."""
+    return [first] + [make(i) for i in range(chain_copies(nbytes, 12) - 1)]
+
+
 def chain_columns(call, args, stream_us: float) -> dict:
     """A bench row's chain columns: ``call(a)`` timed CHAIN_CALLS times back to back over the distinct ``args``
     (us per call), the load-only chain of the same bytes ``stream_us`` (``stream_chain_us``) and the % of it."""

@@ -81,7 +81,7 @@ import triton
 import triton.language as tl
 
 from perfkit.kernels.launch import interpreting, sm_count
-from perfkit.kernels.stream import chain_columns, chain_copies, stream_chain_us, stream_read_ms
+from perfkit.kernels.stream import chain_args, chain_columns, stream_chain_us, stream_read_ms
 from perfkit.kernels.timing import graph_ms
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of codes 0..7; code | 8 is the negative
@@ -1401,15 +1401,25 @@ def _bench_case(
     }
 
 
-def _chain_setup(
-    M: int, N: int, K: int, first: tuple[torch.Tensor, ...], dtype: torch.dtype, device: str
-) -> tuple[list[tuple[torch.Tensor, ...]], float] | None:
-    """(distinct weights for the chained timing, the load-only chain of the GEMM's bytes) on CUDA; None elsewhere
-    (the CPU smoke runs). ``first`` is the bench's own weight; the others are fresh random ones of its shape."""
+def _chain_weights(
+    N: int, K: int, first: tuple[torch.Tensor, ...], dtype: torch.dtype, device: str
+) -> list[tuple[torch.Tensor, ...]] | None:
+    """Distinct weights of one shape for the chained timing (built once per shape) on CUDA; None elsewhere (the CPU
+    smoke runs). ``first`` is the bench's own weight; the others are fresh random ones of its shape."""
     if not str(device).startswith("cuda"):
         return None
+    nbytes = w4a16_gemm_traffic(1, N, K)["weight_bytes"]
+    return chain_args(first, lambda i: _bench_weights(N, K, dtype, 1000 + i, device)[:3], nbytes)
+
+
+def _chain_setup(
+    M: int, N: int, K: int, weights: list[tuple[torch.Tensor, ...]] | None, dtype: torch.dtype, device: str
+) -> tuple[list[tuple[torch.Tensor, ...]], float] | None:
+    """``_bench_case``'s ``chain`` for M rows: the shape's weights and the load-only chain of the GEMM's bytes at
+    this M; None without weights."""
+    if weights is None:
+        return None
     nbytes = int(w4a16_gemm_traffic(M, N, K, torch.empty((), dtype=dtype).element_size())["total_bytes"])
-    weights = [first] + [_bench_weights(N, K, dtype, 1000 + i, device)[:3] for i in range(chain_copies(nbytes, 12) - 1)]
     return weights, stream_chain_us(nbytes, device)["stream_chain_us"]
 
 
@@ -1436,7 +1446,7 @@ def bench_w4a16(
     ref = w4a16_gemm_ref(x, packed, scale, gs, out_dtype=torch.float32)
     dense_ms = triton.testing.do_bench(lambda: x @ w_dense.T, return_mode="median")
     stream_ms = _stream_ms(M, N, K, x.element_size(), device, 25, 100)
-    chain = _chain_setup(M, N, K, (packed, scale, gs), dtype, device)
+    chain = _chain_setup(M, N, K, _chain_weights(N, K, (packed, scale, gs), dtype, device), dtype, device)
     return _bench_case(x, packed, scale, gs, ref, path, config, scale_mode, dense_ms, stream_ms, 25, 100, chain)
 
 
@@ -1588,6 +1598,7 @@ def sweep_w4a16(
         by_nk.setdefault((N, K), []).append(M)
     for (N, K), ms in by_nk.items():
         packed, scale, gs, w_dense, gen = _bench_weights(N, K, dtype, 0, device)
+        weights = _chain_weights(N, K, (packed, scale, gs), dtype, device)
         for M in ms:
             x = torch.randn(M, K, device=device, dtype=dtype, generator=gen)
             ref = w4a16_gemm_ref(x, packed, scale, gs, out_dtype=torch.float32)
@@ -1595,7 +1606,7 @@ def sweep_w4a16(
                 lambda x=x, w=w_dense: x @ w.T, warmup=warmup, rep=rep, return_mode="median"
             )
             stream_ms = _stream_ms(M, N, K, x.element_size(), device, warmup, rep)
-            chain = _chain_setup(M, N, K, (packed, scale, gs), dtype, device)
+            chain = _chain_setup(M, N, K, weights, dtype, device)
             for p in paths:
                 if p == "gemv" and M > SWEEP_GEMV_MAX_M:
                     continue
@@ -1607,7 +1618,7 @@ def sweep_w4a16(
                         emit({"M": M, "N": N, "K": K, "path": p, "config": asdict(cfg or pick_config(M, p, dtype, N, sm_count(x.device))),
                               "error": f"{type(exc).__name__}: {exc}"[:300]})  # fmt: skip
             del ref, chain
-        del packed, scale, gs, w_dense
+        del packed, scale, gs, w_dense, weights
         if device == "cuda":
             torch.cuda.empty_cache()
     for d in _sweep_summary(results):
