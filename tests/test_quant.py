@@ -47,6 +47,8 @@ from perfkit.kernels.w4a16_gemm import (
     pick_config,
     pick_path,
     quantize_nvfp4,
+    split_counter_size,
+    tc_split,
     unpack_e2m1,
     w4a16_gemm,
     w4a16_gemm_gathered,
@@ -350,6 +352,102 @@ def test_w4a16_pick_config_wide_by_grid(monkeypatch):
     assert pick_config(1, "gemv", torch.float16, 43008, 132) is wk.GEMV_CONFIG
     assert pick_config(1, "gemv") is wk.GEMV_CONFIG  # no grid known
     assert pick_config(4, "gemv", torch.bfloat16, 43008, 132) is wk.GEMV_CONFIG
+
+
+TC = W4A16Config(block_m=1, block_n=64, block_k=64, num_warps=4, num_stages=3, tc=True)
+
+
+def _count_tc(monkeypatch) -> list[bool]:
+    """Records each launch of the tensor-core M = 1 gemv (whether it summed its splits in the same launch)."""
+    import perfkit.kernels.w4a16_gemm as wk
+
+    calls: list[bool] = []
+    real = wk._launch_gemv_tc
+
+    def spy(*args, **kwargs):
+        calls.append(args[-1] is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(wk, "_launch_gemv_tc", spy)
+    return calls
+
+
+def test_w4a16_gemv_tc_matches_reference(monkeypatch):
+    """The tensor-core M = 1 gemv (the decoded pairs as the MMA operand, K in the fragment's order, x gathered in
+    that order): within the fp32 bound of the reference for rows past N, whole and ragged last steps (masked K
+    tail), one and several splits summed by a second launch or in the same one (the counter back at zero after),
+    scalar and per-row global scales, bf16 and fp32 outputs."""
+    calls = _count_tc(monkeypatch)
+    cases = ((40, 256, 64, None, True), (80, 1088, 128, 3, True), (80, 1088, 128, 3, False), (16, 512, 256, 1, False))
+    for N, K, bk, split, per_row in cases:
+        x, q, s, gs = _operands(1, N, K, torch.bfloat16, seed=60 + N + K, per_row_gs=per_row)
+        cfg = dataclasses.replace(TC, block_k=bk, split_k=split)
+        counter = torch.zeros(split_counter_size(N), dtype=torch.int32, device=DEVICE)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            out = w4a16_gemm(x, q, s, gs, out_dtype=out_dtype, config=cfg, path="gemv", split_counter=counter)
+            _assert_w4a16_close(out, x, q, s, gs)
+            assert not counter.any()
+        _assert_w4a16_close(w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=cfg, path="gemv"), x, q, s, gs)
+    assert calls == [True, True, False] * 4
+
+
+def test_w4a16_gemv_tc_decode_and_k_order_are_exact(monkeypatch):
+    """One nonzero weight per row, row r at column r (every position of a 64-element chunk and of the next one),
+    with every code and random block scales: each output is one exact product times the global scale, rounded once,
+    so the kernel must equal that bit for bit, which holds only if the decoded pair, the scale and the gathered x
+    element all name the same K position."""
+    calls = _count_tc(monkeypatch)
+    N, K = 128, 256
+    gen = torch.Generator().manual_seed(9)
+    codes = torch.arange(N) % 15 + 1  # every nonzero code, both signs
+    q = torch.zeros(N, K // 2, dtype=torch.uint8)
+    q[torch.arange(N), torch.arange(N) // 2] = (codes << (4 * (torch.arange(N) % 2))).to(torch.uint8)
+    s = (torch.rand(N, K // 16, generator=gen) * 400 + 0.01).to(torch.float8_e4m3fn)
+    x = torch.randn(1, K, generator=gen).to(torch.bfloat16)
+    q_, s_, x_, gs = q.to(DEVICE), s.to(DEVICE), x.to(DEVICE), torch.tensor(0.37, device=DEVICE)
+    # the one product, exact in double, times the global scale, rounded once (the kernel's roundings)
+    ref = ((x_.double() @ dequantize_nvfp4(q_, s_, 1.0).double().T) * gs.double()).float()
+    for split in (1, 2):
+        out = w4a16_gemm(x_, q_, s_, gs, out_dtype=torch.float32, config=dataclasses.replace(TC, split_k=split))
+        torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    assert len(calls) == 2
+
+
+def test_w4a16_gemv_tc_config_rules(monkeypatch):
+    """pick_config takes the tensor-core tile at M = 1, bf16 x, on tensor cores, from GEMV_TC_MIN_ELEMENTS weight
+    elements; a tc tile elsewhere (M > 1, fp16 x) runs the narrow kernel with the same result; bad tc tiles and
+    counters are refused; tc_split fills GEMV_TC_PROGRAMS_PER_SM programs per SM with whole steps."""
+    import perfkit.kernels.w4a16_gemm as wk
+
+    calls = _count_tc(monkeypatch)
+    monkeypatch.setattr(wk, "interpreting", lambda: False)
+    big = -(-wk.GEMV_TC_MIN_ELEMENTS // 5376)
+    assert pick_config(1, "gemv", torch.bfloat16, 5376, 132, big, tensor_cores=True) is wk.GEMV_TC_CONFIG
+    assert pick_config(1, "gemv", torch.bfloat16, 5376, 132, big - 64, tensor_cores=True) is wk.GEMV_WIDE_DEEP_CONFIG
+    assert pick_config(1, "gemv", torch.bfloat16, 5376, 132, big) is wk.GEMV_WIDE_DEEP_CONFIG
+    assert pick_config(1, "gemv", torch.float16, 5376, 132, big, tensor_cores=True) is wk.GEMV_CONFIG
+    assert pick_config(2, "gemv", torch.bfloat16, 5376, 132, big, tensor_cores=True) is wk.GEMV_CONFIG
+    monkeypatch.undo()
+    calls = _count_tc(monkeypatch)
+    narrow = dataclasses.replace(TC, tc=False)
+    for x, q, s, gs in (_operands(2, 24, 128, torch.bfloat16, seed=70), _operands(1, 24, 128, torch.float16, seed=71)):
+        out = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=TC, path="gemv")
+        assert torch.equal(out, w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=narrow, path="gemv"))
+    assert calls == []
+    x, q, s, gs = _operands(1, 24, 128, torch.bfloat16, seed=72)
+    for bad in (
+        dataclasses.replace(TC, block_k=32),
+        dataclasses.replace(TC, wide=True),
+        dataclasses.replace(TC, block_n=8),
+    ):
+        with pytest.raises(ValueError, match="tc: the gemv path only"):
+            w4a16_gemm(x, q, s, gs, config=bad, path="gemv")
+    with pytest.raises(ValueError, match="split_counter must be int32"):
+        bad_counter = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+        w4a16_gemm(x, q, s, gs, config=dataclasses.replace(TC, split_k=2), path="gemv", split_counter=bad_counter)
+    assert tc_split(5376, 8192, wk.GEMV_TC_CONFIG, 132) == (8, 1024)  # 84 row blocks x 8 = 672 programs
+    assert tc_split(43008, 5376, wk.GEMV_TC_CONFIG, 132) == (2, 2816)  # a ragged last split
+    assert tc_split(64, 256, dataclasses.replace(wk.GEMV_TC_CONFIG, split_k=9), 132) == (1, 256)
 
 
 def test_w4a16_split_k_rule():
@@ -1226,6 +1324,43 @@ def test_gpu_w4a16_real_shapes_and_timing(M, N, K, path):
     print(r)
     assert r["rel_err_vs_ref"] < 5e-3  # bf16 output rounding (~1e-3); the weights are exact
     assert r["chain_us"] > 0 and r["chain_pct_of_stream"] == pytest.approx(100 * r["stream_chain_us"] / r["chain_us"])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("N,K", [(5376, 8192), (43008, 5376), (4224, 2816)])
+def test_gpu_w4a16_gemv_tc_real_shapes_and_graph_replays(N, K):
+    """The tensor-core gemv (inline-PTX bf16x2 decode, wgmma) at 31B / 26B-A4B decode shapes: the default tile with
+    its splits summed in the same launch against the reference bound and against a second-launch sum (same partials,
+    same order: bit for bit), one-hot rows exact, and a CUDA graph of three launches replayed with new x: equal to
+    eager, the counter back at zero."""
+    import perfkit.kernels.w4a16_gemm as wk
+
+    gen = torch.Generator().manual_seed(N + K)
+    q, s, gs = (t.cuda() for t in quantize_nvfp4(torch.randn(N, K, generator=gen) * 0.02))
+    cfg = wk.GEMV_TC_CONFIG
+    counter = torch.zeros(split_counter_size(N), dtype=torch.int32, device="cuda")
+    x = torch.randn(1, K, device="cuda").to(torch.bfloat16)
+    fused = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=cfg, path="gemv", split_counter=counter)
+    _assert_w4a16_close(fused, x, q, s, gs)
+    assert torch.equal(fused, w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=cfg, path="gemv"))
+    assert not counter.any() and wk.tc_split(N, K, cfg, wk.sm_count(x.device))[0] > 1
+    onehot = torch.zeros(1, K, device="cuda", dtype=torch.bfloat16)
+    onehot[0, K // 3] = 1.0
+    exact = w4a16_gemm_ref(onehot, q, s, gs, out_dtype=torch.float32)
+    assert torch.equal(w4a16_gemm(onehot, q, s, gs, out_dtype=torch.float32, config=cfg, split_counter=counter), exact)
+    xs = torch.randn(3, 1, K, device="cuda").to(torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_outs = [w4a16_gemm(xs[i], q, s, gs, config=cfg, split_counter=counter) for i in range(3)]
+    for _ in range(2):
+        xs.copy_(torch.randn(3, 1, K, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        outs = [w4a16_gemm(xs[i], q, s, gs, config=cfg, split_counter=counter) for i in range(3)]
+        for a, b in zip(g_outs, outs, strict=True):
+            assert torch.equal(a, b)
+    assert not counter.any()
 
 
 @pytest.mark.gpu

@@ -496,6 +496,170 @@ def _w4a16_gemv_wide_kernel(
 
 
 @triton.jit
+def _tc_pair_bits(w, SH: tl.constexpr):
+    """uint32 words -> bf16x2 bit patterns of codes (j, j + 4), j = (12 - SH) / 4: each sign to bit 15 / 31, each
+    ``e1 e0 m`` to bits 8..6 / 24..22, so each half is ``e2m1 * 2^-126`` (a bf16 subnormal for the code 0.5)."""
+    if SH >= 0:
+        s = w << SH
+    else:
+        s = w >> (-SH)
+    if SH >= 6:
+        m = w << (SH - 6)
+    else:
+        m = w >> (6 - SH)
+    return (s & 0x80008000) | (m & 0x01C001C0)
+
+
+@triton.jit
+def _tc_pair_f32(w, sf, SH: tl.constexpr):
+    """The interpreter's form of ``_tc_pair``: the same bf16 bit patterns widened to fp32 (a bf16 is the top half
+    of an fp32) times the fp32 scale: the same exact values, [..., 2 (low, high half)] (the interpreter's bf16
+    arithmetic is not IEEE)."""
+    pr = _tc_pair_bits(w, SH)
+    lo = (pr << 16).to(tl.float32, bitcast=True)
+    hi = (pr & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.join(lo, hi) * sf[:, :, :, :, None]
+
+
+@triton.jit
+def _tc_pair_asm(w, sf, SH: tl.constexpr):
+    """GPU: ``_tc_pair_bits`` times the bf16 scale in one PTX block, the (low, high) pair as bf16 [..., 2]. The word
+    and the scale are each joined with themselves so that ``pack=2`` hands one instance the word ($1) and the
+    scale's bf16x2 ($3): its one output register is the pair in place, which is the MMA operand's register (as
+    separate halves, Triton extracts and re-packs them: 2 PRMT per pair, 12-14)."""
+    ws = tl.join(w, w)
+    ss = tl.join(sf, sf)
+    if SH == 12:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b32 s, m, d; shl.b32 s, $1, 12; shl.b32 m, $1, 6; and.b32 s, s, 0x80008000; "
+            "and.b32 m, m, 0x01C001C0; or.b32 d, s, m; mul.rn.bf16x2 $0, d, $3; }",
+            "=r,r,r,r", [ws, ss], dtype=tl.bfloat16, is_pure=True, pack=2,
+        )  # fmt: skip
+    elif SH == 8:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b32 s, m, d; shl.b32 s, $1, 8; shl.b32 m, $1, 2; and.b32 s, s, 0x80008000; "
+            "and.b32 m, m, 0x01C001C0; or.b32 d, s, m; mul.rn.bf16x2 $0, d, $3; }",
+            "=r,r,r,r", [ws, ss], dtype=tl.bfloat16, is_pure=True, pack=2,
+        )  # fmt: skip
+    elif SH == 4:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b32 s, m, d; shl.b32 s, $1, 4; shr.b32 m, $1, 2; and.b32 s, s, 0x80008000; "
+            "and.b32 m, m, 0x01C001C0; or.b32 d, s, m; mul.rn.bf16x2 $0, d, $3; }",
+            "=r,r,r,r", [ws, ss], dtype=tl.bfloat16, is_pure=True, pack=2,
+        )  # fmt: skip
+    else:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b32 m, d; shr.b32 m, $1, 6; and.b32 d, $1, 0x80008000; "
+            "and.b32 m, m, 0x01C001C0; or.b32 d, d, m; mul.rn.bf16x2 $0, d, $3; }",
+            "=r,r,r,r", [ws, ss], dtype=tl.bfloat16, is_pure=True, pack=2,
+        )  # fmt: skip
+    return y
+
+
+@triton.jit
+def _tc_tile(w_ptr, s_ptr, rr, stride_wn, stride_sn, k0, K, BN: tl.constexpr, BK: tl.constexpr,
+             EVEN_K: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """The step at k0 of rows ``rr`` as the MMA's A operand [BN, BK] in the permuted K order of
+    ``_w4a16_gemv_tc_kernel``: words [BN, C, 4 (t), 2 (w)] (C = BK / 64), scale groups [BN, C, 4 (t)]; the code pair
+    j of word (t, w) is logical k 16 (2 w + j // 2) + 8 (j % 2) + 2 t + (0, 1). Exact ``e2m1 * e4m3 * 2^-8``
+    (bf16; fp32 under the interpreter)."""
+    C: tl.constexpr = BK // 64
+    wofs = k0 // 8 + tl.arange(0, BK // 8)
+    sofs = k0 // 16 + tl.arange(0, BK // 16)
+    wp = w_ptr + rr[:, None] * stride_wn + wofs[None, :]
+    sp = s_ptr + rr[:, None] * stride_sn + sofs[None, :]
+    if EVEN_K:
+        words = tl.load(wp)
+        sc = tl.load(sp)
+    else:
+        words = tl.load(wp, mask=wofs[None, :] < K // 8, other=0)
+        sc = tl.load(sp, mask=sofs[None, :] < K // 16, other=0)
+    sf = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 3.3230699894622794e35  # e4m3 * 2^118 (< 2^127)
+    w = tl.reshape(words.to(tl.uint32, bitcast=True), (BN, C, 4, 2))
+    if INTERP:
+        sf = tl.reshape(sf, (BN, C, 4, 1))
+        v0 = _tc_pair_f32(w, sf, 12)  # j = 0: [BN, C, t, w, 2]
+        v1 = _tc_pair_f32(w, sf, 8)
+        v2 = _tc_pair_f32(w, sf, 4)
+        v3 = _tc_pair_f32(w, sf, 0)
+    else:
+        sfb = tl.broadcast_to(tl.reshape(sf.to(tl.bfloat16), (BN, C, 4, 1)), (BN, C, 4, 2))
+        v0 = _tc_pair_asm(w, sfb, 12)
+        v1 = _tc_pair_asm(w, sfb, 8)
+        v2 = _tc_pair_asm(w, sfb, 4)
+        v3 = _tc_pair_asm(w, sfb, 0)
+    v = tl.join(tl.join(v0, v1), tl.join(v2, v3))  # [BN, C, t, w, p, j % 2, j // 2]
+    return tl.reshape(tl.permute(v, (0, 1, 3, 6, 5, 2, 4)), (BN, BK))  # [BN, C, w, j // 2, j % 2, t, p]
+
+
+@triton.jit
+def _tc_x_tile(x_ptr, k0, K, BK: tl.constexpr):
+    """x's elements of the step at k0 in ``_tc_tile``'s K order, as the MMA's B operand [BK, 16] (every column x:
+    the dot needs N >= 16; column 0 is used); zeros past K."""
+    k = tl.arange(0, BK)
+    b = (k // 16) % 4
+    phys = k0 + 64 * (k // 64) + 16 * ((k // 2) % 4) + 8 * (b // 2) + 2 * (b % 2) + (k // 8) % 2 + 4 * (k % 2)
+    xv = tl.load(x_ptr + phys, mask=phys < K, other=0.0)
+    return tl.broadcast_to(xv[:, None], (BK, 16))
+
+
+@triton.jit
+def _w4a16_gemv_tc_kernel(
+    x_ptr,  # [1, K] bf16
+    w_ptr,  # [N, K/8] int32 packed weight
+    s_ptr,  # [N, K/16] uint8 raw e4m3 block scales
+    gs_ptr,  # fp32 global scale: [1] / [N] (gs_stride 0 / 1)
+    out_ptr,  # [1, N]
+    part_ptr,  # SPLIT > 1: fp32 [SPLIT, N] partials
+    count_ptr,  # FUSED: int32 [cdiv(N, BN)], 0 between launches
+    N,
+    K,
+    k_split,  # K per split, a multiple of BK
+    stride_wn,
+    stride_sn,
+    gs_stride,
+    BN: tl.constexpr,  # weight rows per program: the MMA's M (64 = one Hopper warpgroup MMA)
+    BK: tl.constexpr,  # K per step, a multiple of 64
+    SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BK == 0: no masks
+    FUSED: tl.constexpr,  # SPLIT > 1: the split of a row block that counts last sums the partials
+    INTERP: tl.constexpr,
+):
+    """The M = 1 gemv on the tensor cores (``W4A16Config.tc``): rows [pid * BN, + BN) over K in [pid_k * k_split,
+    + k_split), weights on the MMA's M side and x as its N side. Each step's A operand comes straight from the
+    words a thread loads (``_tc_tile``: the K order is permuted to the MMA fragment's, x gathered in the same
+    order), so the multiply-add costs nothing per element; what is left is ~2.5 instructions per element of
+    decode and block scale (3.7 per element in the loop against the wide CUDA-core gemv's 5.8, sm_90 compile)."""
+    pid = tl.program_id(0)
+    k_lo = tl.multiple_of(tl.program_id(1) * k_split, BK)
+    k_hi = tl.minimum(k_lo + k_split, K)
+    rows = pid * BN + tl.arange(0, BN)
+    rr = tl.minimum(rows, N - 1).to(tl.int64)
+    col = tl.arange(0, 16)
+    acc = tl.zeros((BN, 16), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        a = _tc_tile(w_ptr, s_ptr, rr, stride_wn, stride_sn, k0, K, BN, BK, EVEN_K, INTERP)
+        xb = _tc_x_tile(x_ptr, k0, K, BK)
+        if INTERP:
+            acc = tl.dot(a, xb.to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, xb, acc)
+    y = tl.sum(tl.where(col[None, :] == 0, acc, 0.0), axis=1) * 256.0 * tl.load(gs_ptr + rr * gs_stride)
+    if SPLIT == 1:
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+    else:
+        tl.store(part_ptr + tl.program_id(1) * N + rows, y, mask=rows < N)
+        if FUSED:  # the last split of the row block to count sums all partials in a fixed order, then resets
+            tl.debug_barrier()  # every thread's partial stored before the release half of the count
+            if tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+                tot = tl.zeros((BN,), dtype=tl.float32)
+                for i in tl.static_range(SPLIT):  # unrolled: the loads in flight together
+                    tot += tl.load(part_ptr + i * N + rows, mask=rows < N, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + rows, tot.to(out_ptr.dtype.element_ty), mask=rows < N)
+                tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _w4a16_splitk_reduce_kernel(
     part_ptr,  # [SPLIT, MN] fp32 partials
     out_ptr,  # [MN] output
@@ -735,7 +899,10 @@ class W4A16Config:
     each step's scales addressed from the loop index, so a row's ``block_k / 16`` scales load as one 4-byte vector
     that the pipeliner stages by cp.async (the loop-carried pointers lose the alignment; the quantised MoE GEMMs'
     SCALES_VEC, which ncu motivated). It needs at least 4 scales per thread: ``block_n * block_k / 16 >=
-    128 * num_warps``."""
+    128 * num_warps``.
+    ``tc`` (gemv; M = 1, bf16 x, else the narrow kernel with the same tile): ``_w4a16_gemv_tc_kernel`` on the tensor
+    cores, ``block_n`` weight rows per program as the MMA's M (>= 16; 64 fills a Hopper warpgroup MMA), ``block_k``
+    a multiple of 64; ``split_k`` None = enough splits for GEMV_TC_PROGRAMS_PER_SM programs per SM."""
 
     block_m: int
     block_n: int
@@ -748,6 +915,7 @@ class W4A16Config:
     swap_ab: bool = False
     scales_ahead: bool = False
     scales_vec: bool = False
+    tc: bool = False
 
 
 # gemv: 4 weight rows x 512 K = 1 KB of weight per program and step, two more steps in flight (prefetch=2):
@@ -775,6 +943,14 @@ GEMV_WIDE_SHORT_CONFIG = W4A16Config(1, 16, 256, num_warps=4, num_stages=1, pref
 GEMV_WIDE_MIN_PROGRAMS_PER_SM = 2
 GEMV_WIDE_DEEP_PROGRAMS_PER_SM = 4
 GEMV_WIDE_SHORT_PROGRAMS_PER_SM = 12
+# M = 1, bf16 x, sm_90+, N * K >= GEMV_TC_MIN_ELEMENTS: the tensor-core gemv, split over K into enough programs
+# for GEMV_TC_PROGRAMS_PER_SM per SM, the splits summed in the same launch when the caller passes a counter. H200
+# 12-14 (docs/h200-runs/2026-12-14/3-tc.jsonl, chained launches over distinct weights, us, wide gemv -> this tile):
+# 5376 x 21504 35.87 -> 29.91, 43008 x 5376 60.37 -> 53.33, 16384 x 5376 27.08 -> 23.28, 5376 x 16384 28.40 ->
+# 24.29, 5376 x 8192 16.84 -> 15.88; the 26B-A4B's 4224 x 2816 6.68 -> 8.37 (too few steps per program).
+GEMV_TC_CONFIG = W4A16Config(block_m=1, block_n=64, block_k=256, num_warps=4, num_stages=3, tc=True)
+GEMV_TC_PROGRAMS_PER_SM = 6
+GEMV_TC_MIN_ELEMENTS = 32 * 1024 * 1024
 DOT_TINY_CONFIG = W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 # M 17-64: the swapped tile (weight rows on the wgmma's M side) with the scales a step ahead. H200 12-01i
 # (docs/h200-runs/2026-12-01i/1-w4a16_dot.jsonl, M 32 and 64 x four 31B shapes): geomean 1.055x the per-shape
@@ -821,11 +997,18 @@ def pick_path(M: int, path: str = "auto") -> str:
 
 
 def pick_config(
-    M: int, path: str = "auto", dtype: torch.dtype = torch.bfloat16, N: int | None = None, sms: int | None = None
+    M: int,
+    path: str = "auto",
+    dtype: torch.dtype = torch.bfloat16,
+    N: int | None = None,
+    sms: int | None = None,
+    K: int | None = None,
+    tensor_cores: bool = False,
 ) -> W4A16Config:
     """The fixed default tile of ``path`` (resolved by M for "auto") for activations of ``dtype``; the dot path's
     by M: 16-row tiles up to M = 16, 64-row up to 64, 128-row beyond (fp32 activations: a smaller FMA tile); the
-    gemv's at M = 1 with bf16 x, given N and the SM count: a wide tile by programs per SM (GEMV_WIDE_*). Under
+    gemv's at M = 1 with bf16 x, given N and the SM count: the tensor-core tile (``tensor_cores``: an sm_90+ GPU)
+    from GEMV_TC_MIN_ELEMENTS weight elements (given K), else a wide tile by programs per SM (GEMV_WIDE_*). Under
     the CPU interpreter: INTERPRETER_CONFIG, clipped to the problem."""
     path = pick_path(M, path)
     if interpreting():
@@ -833,6 +1016,8 @@ def pick_config(
     if path == "gemv":
         if M != 1 or dtype != torch.bfloat16 or N is None or sms is None:
             return GEMV_CONFIG
+        if tensor_cores and K is not None and N * K >= GEMV_TC_MIN_ELEMENTS:
+            return GEMV_TC_CONFIG
         per_sm = triton.cdiv(N, GEMV_WIDE_CONFIG.block_n) / sms
         if per_sm < GEMV_WIDE_MIN_PROGRAMS_PER_SM:
             return GEMV_CONFIG
@@ -856,6 +1041,8 @@ def _validate_config(cfg: W4A16Config, path: str) -> None:
     ok = ok and (cfg.split_k is None or cfg.split_k >= 1) and cfg.num_stages >= 1 and cfg.prefetch in (1, 2)
     ok = ok and (not cfg.wide or (path == "gemv" and cfg.block_n >= 2 and cfg.block_k >= 32))
     ok = ok and (not (cfg.swap_ab or cfg.scales_ahead or cfg.scales_vec) or path == "dot")
+    tc_ok = path == "gemv" and not cfg.wide and cfg.block_n >= 16 and cfg.block_k >= 64
+    ok = ok and (not cfg.tc or tc_ok)
     if not ok:
         raise ValueError(
             f"bad {path} config {cfg}: block sizes must be powers of two, block_k >= 16, prefetch 1 or 2"
@@ -866,6 +1053,7 @@ def _validate_config(cfg: W4A16Config, path: str) -> None:
                 if cfg.swap_ab or cfg.scales_ahead or cfg.scales_vec
                 else ""
             )
+            + ("; tc: the gemv path only, not wide, block_n >= 16, block_k >= 64" if cfg.tc else "")
         )
 
 
@@ -873,12 +1061,18 @@ def _asm() -> bool:
     return INLINE_ASM_CVT and not interpreting()
 
 
+def tensor_cores_for_gemv(device: torch.device) -> bool:
+    """Whether the tensor-core M = 1 gemv can run on ``device``: a CUDA GPU of compute capability 9.0+ (its PTX
+    multiplies bf16x2, an sm_90 instruction; the form was timed on Hopper), not under the interpreter."""
+    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def _fit(cfg: W4A16Config, path: str, M: int, N: int, K: int) -> W4A16Config:
     """The tile clipped to the problem (powers of two >= N, K; the interpreter also clips the dot path's rows):
     no change at real model shapes, much less wasted work at the tiny ones the CPU tests run."""
-    lo = 16 if path == "dot" else 2 if cfg.wide else 1
+    lo = 16 if path == "dot" or cfg.tc else 2 if cfg.wide else 1
     bn = min(cfg.block_n, max(lo, triton.next_power_of_2(N)))
-    bk = min(cfg.block_k, max(32 if cfg.wide else 16, triton.next_power_of_2(K)))
+    bk = min(cfg.block_k, max(64 if cfg.tc else 32 if cfg.wide else 16, triton.next_power_of_2(K)))
     bm = cfg.block_m
     if path == "dot" and interpreting():
         bm = min(bm, max(16, triton.next_power_of_2(M)))
@@ -954,11 +1148,14 @@ def _launch_gemv(
     expert_ids: torch.Tensor | None,
     out_dtype: torch.dtype,
     cfg: W4A16Config,
+    split_counter: torch.Tensor | None = None,
 ) -> torch.Tensor:
     M, K = x.shape
     N = words.shape[-2]
     cfg = _fit(cfg, "gemv", M, N, K)
     per_row = expert_ids is not None
+    if cfg.tc and M == 1 and not per_row and x.dtype == torch.bfloat16:
+        return _launch_gemv_tc(x, words, scales, gs, gs_stride, out_dtype, cfg, split_counter)
     if cfg.wide and M == 1 and not per_row and _x64(x) and K % 32 == 0:
         return _launch_gemv_wide(x, words, scales, gs, gs_stride, out_dtype, cfg)
     bm = 1 if per_row else min(cfg.block_m, GEMV_MAX_ROWS, triton.next_power_of_2(M))
@@ -998,6 +1195,50 @@ def _launch_gemv_wide(
         H=cfg.block_n // 2, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, ASM=_asm(), num_warps=cfg.num_warps,
     )  # fmt: skip
     return out
+
+
+def tc_split(N: int, K: int, cfg: W4A16Config, sms: int) -> tuple[int, int]:
+    """(splits, K per split) of the tensor-core gemv: ``cfg.split_k``, or enough splits of whole steps for
+    GEMV_TC_PROGRAMS_PER_SM programs per SM (its programs stream few rows: more of them hide the latency)."""
+    steps = triton.cdiv(K, cfg.block_k)
+    split = cfg.split_k or triton.cdiv(GEMV_TC_PROGRAMS_PER_SM * sms, triton.cdiv(N, cfg.block_n))
+    split = max(1, min(split, steps))
+    k_split = triton.cdiv(steps, split) * cfg.block_k
+    return triton.cdiv(K, k_split), k_split
+
+
+def split_counter_size(N: int) -> int:
+    """int32 elements of a ``split_counter`` for a weight of N rows: one per row block of the smallest tc tile."""
+    return triton.cdiv(N, 16)
+
+
+def _launch_gemv_tc(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    gs: torch.Tensor,
+    gs_stride: int,
+    out_dtype: torch.dtype,
+    cfg: W4A16Config,
+    counter: torch.Tensor | None,
+) -> torch.Tensor:
+    """The tensor-core gemv; with ``counter`` (int32, zeros, one per row block) the splits are summed in the same
+    launch, else by ``_finish_split`` after it."""
+    K = x.shape[1]
+    N = words.shape[0]
+    split, k_split = tc_split(N, K, cfg, sm_count(x.device))
+    blocks = triton.cdiv(N, cfg.block_n)
+    fused = split > 1 and counter is not None
+    if fused and (counter.dtype != torch.int32 or counter.numel() < blocks or counter.device != x.device):
+        raise ValueError(f"split_counter must be int32 on {x.device} with >= {blocks} elements (zeros)")
+    out = torch.empty((1, N), dtype=out_dtype, device=x.device)
+    part = torch.empty((split, 1, N), dtype=torch.float32, device=x.device) if split > 1 else out
+    _w4a16_gemv_tc_kernel[(blocks, split)](
+        x, words, scales, gs, out, part, counter if fused else words, N, K, k_split, words.stride(0),
+        scales.stride(0), gs_stride, BN=cfg.block_n, BK=cfg.block_k, SPLIT=split, EVEN_K=K % cfg.block_k == 0,
+        FUSED=fused, INTERP=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out if split == 1 or fused else _finish_split(part, out)
 
 
 def vec_scales_fit(k: int, block_k: int, scales: torch.Tensor | None = None) -> bool:
@@ -1150,20 +1391,23 @@ def w4a16_gemm(
     scale_mode: str = "broadcast",
     path: str = "auto",
     gs_runs: Sequence[tuple[int, int, float]] | None = None,
+    split_counter: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ dequant(weight [N, K/2])^T -> [M, N]`` (format and paths: module docstring). ``global_scale``:
     scalar or per output row [N]. No host sync (the global scale is read on the device): CUDA-graph safe.
     ``path``: auto | gemv | dot | dequant_mm; ``config``: a tile of that path (default: ``pick_config``).
     ``scale_mode`` (dot path): broadcast | gather (how block scales reach the tile; same result). ``gs_runs``:
     the same global scale as host runs (``global_scale_runs``, cached by the caller); dequant_mm with a CUDA bf16 /
-    fp16 x in and out then applies each run as cuBLAS's alpha instead of an fp32 epilogue pass."""
+    fp16 x in and out then applies each run as cuBLAS's alpha instead of an fp32 epilogue pass. ``split_counter``
+    (the tensor-core gemv's split-K sum in its own launch): int32 zeros of ``split_counter_size(N)``, owned by the
+    caller, never used by two launches at once; the kernel leaves it at zero. Without it a second launch sums."""
     M, N, K = _check(x, weight, weight_scale)
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [N, K/2], got {tuple(weight.shape)}")
     chosen = pick_path(M, path)
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"scale_mode {scale_mode!r}: allowed values are {', '.join(SCALE_MODES)}")
-    cfg = config or pick_config(M, chosen, x.dtype, N, sm_count(x.device))
+    cfg = config or pick_config(M, chosen, x.dtype, N, sm_count(x.device), K, tensor_cores_for_gemv(x.device))
     _validate_config(cfg, chosen)
     gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device).reshape(-1)
     if gs.numel() not in (1, N):
@@ -1173,7 +1417,7 @@ def w4a16_gemm(
         return torch.empty((M, N), dtype=out_dtype, device=x.device)
     x, words, scales, gs = _unit_k(x), _words(weight), weight_scale.contiguous().view(torch.uint8), gs.contiguous()
     if chosen == "gemv":
-        return _launch_gemv(x, words, scales, gs, 0 if gs.numel() == 1 else 1, None, out_dtype, cfg)
+        return _launch_gemv(x, words, scales, gs, 0 if gs.numel() == 1 else 1, None, out_dtype, cfg, split_counter)
     if chosen == "dot":
         return _launch_dot(x, words, scales, gs, 0 if gs.numel() == 1 else 1, out_dtype, cfg, scale_mode == "gather")
     if gs_runs is not None and (gs_runs[0][0] != 0 or gs_runs[-1][1] != N):
