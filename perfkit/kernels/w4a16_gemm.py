@@ -45,6 +45,16 @@ the H200 sweep, ``python3 -m perfkit.kernels.w4a16_gemm --sweep``, sets them):
   the prefetch. Timed on the H200 (12-01e) it is 10-19 % faster on the 31B projections, where the narrow form's
   ncu profile had shown long-scoreboard stalls first (too few bytes in flight per warp) and a saturated issue
   slot second; the 26B-A4B's 2816-row projections, 176 programs of 16 rows, stay narrow (``pick_config``).
+  On sm_90+ the large M = 1 products (GEMV_TC_MIN_ELEMENTS) run ``_w4a16_gemv_tc_kernel`` instead: the weight
+  rows as a warpgroup MMA's M side and x as its N side (16 columns, one used), because on CUDA cores the fp16 ->
+  fp32 conversion and the FMA alone cost 2 of the wide form's 5.8 instructions per element and the loop is
+  instruction-bound (a TMA-fed form with deep stages tied it, 12-14). No repacking: the MMA sums K in any order,
+  so its logical K is a permutation of the physical elements in which each thread's A-fragment registers are the
+  bf16x2 pairs its own words decode to (codes j and j + 4 of a word, 16 bits apart, placed as bf16 bits:
+  ``e2m1 * 2^-126``, times the block scale as ``e4m3 * 2^118`` in one bf16x2 multiply: exact), and x is gathered
+  in that order into the B tile. 3.7 instructions per weight element; split over K into enough programs, the
+  last split of each row block summing the partials in a fixed order in the same launch (a caller-owned counter,
+  ``split_counter``).
 - ``dot`` (M between): the same decoded planes, times their block scales, joined in-thread into an exact fp32
   [BLOCK_N, BLOCK_K] tile in K order (the scales broadcast as [BLOCK_N, BLOCK_K/16, 1]: no reshape), cast to x's
   dtype and fed to a tensor-core ``tl.dot`` (fp32 accumulate; BLOCK_M >= 64 compiles to wgmma with the tile staged
@@ -1611,10 +1621,17 @@ def _bench_case(
     M, K = x.shape
     N = packed.shape[0]
     chosen = pick_path(M, path)
-    cfg = config or pick_config(M, chosen, x.dtype, N, sm_count(x.device))
+    cfg = config or pick_config(M, chosen, x.dtype, N, sm_count(x.device), K, tensor_cores_for_gemv(x.device))
+    counters: dict[int, torch.Tensor] = {}  # per weight, as Nvfp4Linear keeps one (made before any capture)
 
     def call(w: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return w4a16_gemm(x, *w, config=cfg, scale_mode=scale_mode, path=chosen)
+        counter = None
+        if chosen == "gemv" and M == 1 and x.is_cuda:
+            counter = counters.get(w[0].data_ptr())
+            if counter is None:
+                counter = counters[w[0].data_ptr()] = torch.zeros(split_counter_size(N), dtype=torch.int32,
+                                                                    device=x.device)  # fmt: skip
+        return w4a16_gemm(x, *w, config=cfg, scale_mode=scale_mode, path=chosen, split_counter=counter)
 
     def fn():
         return call((packed, scale, gs))
@@ -1713,8 +1730,10 @@ SWEEP_PATHS = ("gemv", "dot", "dequant_mm")
 # ones. All compile for sm_90 without spills.
 SWEEP_CONFIGS: dict[str, tuple[W4A16Config | None, ...]] = {
     "gemv": (
-        None,  # pick_config: GEMV_CONFIG (4 x 512, 4 warps, prefetch 2), or a wide tile at M = 1
+        None,  # pick_config: GEMV_CONFIG (4 x 512, 4 warps, prefetch 2), or a wide / tensor-core tile at M = 1
         GEMV_CONFIG,
+        GEMV_TC_CONFIG,
+        W4A16Config(block_m=1, block_n=64, block_k=128, num_warps=4, num_stages=4, tc=True),
         GEMV_WIDE_CONFIG,
         GEMV_WIDE_DEEP_CONFIG,
         GEMV_WIDE_SHORT_CONFIG,
@@ -1859,7 +1878,7 @@ def sweep_w4a16(
                         case = (x, packed, scale, gs, ref, p, cfg, "broadcast", dense_ms, stream_ms, warmup, rep, chain)
                         emit(_bench_case(*case))
                     except Exception as exc:  # a tile that does not compile or fit: record it, keep sweeping
-                        emit({"M": M, "N": N, "K": K, "path": p, "config": asdict(cfg or pick_config(M, p, dtype, N, sm_count(x.device))),
+                        emit({"M": M, "N": N, "K": K, "path": p, "config": asdict(cfg or pick_config(M, p, dtype, N, sm_count(x.device), K)),
                               "error": f"{type(exc).__name__}: {exc}"[:300]})  # fmt: skip
             del ref, chain
         del packed, scale, gs, w_dense, weights

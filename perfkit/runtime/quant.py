@@ -61,6 +61,7 @@ from perfkit.kernels.w4a16_gemm import (
     global_scale_runs,
     pick_path,
     quantize_nvfp4,
+    split_counter_size,
     w4a16_gemm,
     w4a16_gemm_gathered,
 )
@@ -242,6 +243,7 @@ class Nvfp4Linear(nn.Module):
         self.backend = "w4a16-ref"
         self._native: tuple[Tensor, Tensor] | None = None  # (swizzled block scales, ...) prepared lazily
         self._gs_runs_cache: tuple[tuple, tuple[tuple[int, int, float], ...]] | None = None  # (key, runs)
+        self._split_counter: Tensor | None = None  # the tensor-core gemv's split-K count (``_one_row_counter``)
 
     @classmethod
     def from_linear(cls, lin: nn.Linear) -> Nvfp4Linear:
@@ -282,11 +284,27 @@ class Nvfp4Linear(nn.Module):
             self._gs_runs_cache = cached
         return cached[1]
 
+    def _one_row_counter(self) -> Tensor | None:
+        """This weight's int32 counter for the tensor-core gemv at M = 1 (its split-K partials summed in the same
+        launch; ``w4a16_gemm(split_counter=)``), made on the first call outside a CUDA-graph capture (the engine's
+        eager warmup) and reused; the kernel leaves it at zero, and one module never runs twice at once. None while
+        capturing before that: a second launch sums the splits."""
+        c, w = self._split_counter, self.weight
+        if c is None or c.device != w.device:
+            if w.is_cuda and torch.cuda.is_current_stream_capturing():
+                return None
+            c = self._split_counter = torch.zeros(split_counter_size(self.out_features), dtype=torch.int32,
+                                                  device=w.device)  # fmt: skip
+        return c
+
     def forward(self, x: Tensor) -> Tensor:
         x2 = _flat(x)
         if self.backend == "w4a16-triton":
-            runs = self._gs_runs() if self.prefill_alpha and pick_path(x2.shape[0]) == "dequant_mm" else None
-            y = w4a16_gemm(x2, self.weight, self.weight_scale, self.weight_scale_2, gs_runs=runs)
+            path = pick_path(x2.shape[0])
+            runs = self._gs_runs() if self.prefill_alpha and path == "dequant_mm" else None
+            counter = self._one_row_counter() if path == "gemv" and x2.shape[0] == 1 and x2.is_cuda else None
+            y = w4a16_gemm(x2, self.weight, self.weight_scale, self.weight_scale_2, gs_runs=runs,
+                           split_counter=counter)  # fmt: skip
         elif self.backend == "fp4-native":
             y = self._forward_native(x2)
         else:
