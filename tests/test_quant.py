@@ -415,18 +415,19 @@ def test_w4a16_gemv_tc_decode_and_k_order_are_exact(monkeypatch):
 
 def test_w4a16_gemv_tc_config_rules(monkeypatch):
     """pick_config takes the tensor-core tile at M = 1, bf16 x, on tensor cores, from GEMV_TC_MIN_ELEMENTS weight
-    elements; a tc tile elsewhere (M > 1, fp16 x) runs the narrow kernel with the same result; bad tc tiles and
+    elements and K >= GEMV_TC_MIN_K; a tc tile elsewhere (M > 1, fp16 x) runs the narrow kernel with the same result; bad tc tiles and
     counters are refused; tc_split fills GEMV_TC_PROGRAMS_PER_SM programs per SM with whole steps."""
     import perfkit.kernels.w4a16_gemm as wk
 
-    calls = _count_tc(monkeypatch)
     monkeypatch.setattr(wk, "interpreting", lambda: False)
-    big = -(-wk.GEMV_TC_MIN_ELEMENTS // 5376)
-    assert pick_config(1, "gemv", torch.bfloat16, 5376, 132, big, tensor_cores=True) is wk.GEMV_TC_CONFIG
-    assert pick_config(1, "gemv", torch.bfloat16, 5376, 132, big - 64, tensor_cores=True) is wk.GEMV_WIDE_DEEP_CONFIG
-    assert pick_config(1, "gemv", torch.bfloat16, 5376, 132, big) is wk.GEMV_WIDE_DEEP_CONFIG
-    assert pick_config(1, "gemv", torch.float16, 5376, 132, big, tensor_cores=True) is wk.GEMV_CONFIG
-    assert pick_config(2, "gemv", torch.bfloat16, 5376, 132, big, tensor_cores=True) is wk.GEMV_CONFIG
+    assert wk.GEMV_TC_MIN_K * 5376 >= wk.GEMV_TC_MIN_ELEMENTS > wk.GEMV_TC_MIN_K * 2816
+    K = wk.GEMV_TC_MIN_K
+    assert pick_config(1, "gemv", torch.bfloat16, 5376, 132, K, tensor_cores=True) is wk.GEMV_TC_CONFIG
+    assert pick_config(1, "gemv", torch.bfloat16, 5376, 132, K - 64, tensor_cores=True) is wk.GEMV_WIDE_DEEP_CONFIG
+    assert pick_config(1, "gemv", torch.bfloat16, 2816, 132, K, tensor_cores=True) is wk.GEMV_CONFIG  # too few
+    assert pick_config(1, "gemv", torch.bfloat16, 5376, 132, K) is wk.GEMV_WIDE_DEEP_CONFIG
+    assert pick_config(1, "gemv", torch.float16, 5376, 132, K, tensor_cores=True) is wk.GEMV_CONFIG
+    assert pick_config(2, "gemv", torch.bfloat16, 5376, 132, K, tensor_cores=True) is wk.GEMV_CONFIG
     monkeypatch.undo()
     calls = _count_tc(monkeypatch)
     narrow = dataclasses.replace(TC, tc=False)
@@ -445,8 +446,11 @@ def test_w4a16_gemv_tc_config_rules(monkeypatch):
     with pytest.raises(ValueError, match="split_counter must be int32"):
         bad_counter = torch.zeros(1, dtype=torch.int64, device=DEVICE)
         w4a16_gemm(x, q, s, gs, config=dataclasses.replace(TC, split_k=2), path="gemv", split_counter=bad_counter)
-    assert tc_split(5376, 8192, wk.GEMV_TC_CONFIG, 132) == (8, 1024)  # 84 row blocks x 8 = 672 programs
-    assert tc_split(43008, 5376, wk.GEMV_TC_CONFIG, 132) == (2, 2816)  # a ragged last split
+    # the fullest waves of 4 x 132 programs (12-14 6-split.jsonl picks), at least 4 steps per split
+    assert tc_split(5376, 21504, wk.GEMV_TC_CONFIG, 132) == (6, 3584)  # 84 row blocks x 6: one wave, 95 % full
+    assert tc_split(16384, 5376, wk.GEMV_TC_CONFIG, 132) == (2, 2816)  # 512 programs, a ragged last split
+    assert tc_split(43008, 5376, wk.GEMV_TC_CONFIG, 132) == (3, 1792)  # 2016 programs in 4 waves
+    assert tc_split(5376, 4096, wk.GEMV_TC_CONFIG, 132) == (4, 1024)  # 16 steps: 4 splits at most
     assert tc_split(64, 256, dataclasses.replace(wk.GEMV_TC_CONFIG, split_k=9), 132) == (1, 256)
 
 

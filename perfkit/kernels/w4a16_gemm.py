@@ -953,14 +953,18 @@ GEMV_WIDE_SHORT_CONFIG = W4A16Config(1, 16, 256, num_warps=4, num_stages=1, pref
 GEMV_WIDE_MIN_PROGRAMS_PER_SM = 2
 GEMV_WIDE_DEEP_PROGRAMS_PER_SM = 4
 GEMV_WIDE_SHORT_PROGRAMS_PER_SM = 12
-# M = 1, bf16 x, sm_90+, N * K >= GEMV_TC_MIN_ELEMENTS: the tensor-core gemv, split over K into enough programs
-# for GEMV_TC_PROGRAMS_PER_SM per SM, the splits summed in the same launch when the caller passes a counter. H200
-# 12-14 (docs/h200-runs/2026-12-14/3-tc.jsonl, chained launches over distinct weights, us, wide gemv -> this tile):
-# 5376 x 21504 35.87 -> 29.91, 43008 x 5376 60.37 -> 53.33, 16384 x 5376 27.08 -> 23.28, 5376 x 16384 28.40 ->
-# 24.29, 5376 x 8192 16.84 -> 15.88; the 26B-A4B's 4224 x 2816 6.68 -> 8.37 (too few steps per program).
+# M = 1, bf16 x, sm_90+, N * K >= GEMV_TC_MIN_ELEMENTS and K >= GEMV_TC_MIN_K: the tensor-core gemv, split over K
+# (``tc_split``), the splits summed in the same launch when the caller passes a counter. H200 12-14
+# (docs/h200-runs/2026-12-14/6-split.jsonl, chained launches over distinct weights, us, wide gemv -> this tile at
+# the split tc_split picks): 5376 x 21504 36.14 -> 28.72, 43008 x 5376 60.13 -> 53.93, 16384 x 5376 26.86 ->
+# 22.59, 5376 x 16384 29.12 -> 24.24, 5376 x 8192 16.90 -> 15.12, 8192 x 5376 16.98 -> 13.87, 5376 x 4096 11.03
+# -> 9.90; the 26B-A4B's 4224 x 2816 lost (6.65 -> 7.56: 11 steps of K), so K < 4096 stays on CUDA cores.
+# GEMV_TC_PROGRAMS_PER_SM is the kernel's residency (127 registers x 128 threads: 4 programs per SM).
 GEMV_TC_CONFIG = W4A16Config(block_m=1, block_n=64, block_k=256, num_warps=4, num_stages=3, tc=True)
-GEMV_TC_PROGRAMS_PER_SM = 6
-GEMV_TC_MIN_ELEMENTS = 32 * 1024 * 1024
+GEMV_TC_PROGRAMS_PER_SM = 4
+GEMV_TC_MIN_STEPS_PER_SPLIT = 4
+GEMV_TC_MIN_ELEMENTS = 16 * 1024 * 1024
+GEMV_TC_MIN_K = 4096
 DOT_TINY_CONFIG = W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 # M 17-64: the swapped tile (weight rows on the wgmma's M side) with the scales a step ahead. H200 12-01i
 # (docs/h200-runs/2026-12-01i/1-w4a16_dot.jsonl, M 32 and 64 x four 31B shapes): geomean 1.055x the per-shape
@@ -1018,7 +1022,8 @@ def pick_config(
     """The fixed default tile of ``path`` (resolved by M for "auto") for activations of ``dtype``; the dot path's
     by M: 16-row tiles up to M = 16, 64-row up to 64, 128-row beyond (fp32 activations: a smaller FMA tile); the
     gemv's at M = 1 with bf16 x, given N and the SM count: the tensor-core tile (``tensor_cores``: an sm_90+ GPU)
-    from GEMV_TC_MIN_ELEMENTS weight elements (given K), else a wide tile by programs per SM (GEMV_WIDE_*). Under
+    from GEMV_TC_MIN_ELEMENTS weight elements and K >= GEMV_TC_MIN_K, else a wide tile by programs per SM
+    (GEMV_WIDE_*). Under
     the CPU interpreter: INTERPRETER_CONFIG, clipped to the problem."""
     path = pick_path(M, path)
     if interpreting():
@@ -1026,7 +1031,7 @@ def pick_config(
     if path == "gemv":
         if M != 1 or dtype != torch.bfloat16 or N is None or sms is None:
             return GEMV_CONFIG
-        if tensor_cores and K is not None and N * K >= GEMV_TC_MIN_ELEMENTS:
+        if tensor_cores and K is not None and K >= GEMV_TC_MIN_K and N * K >= GEMV_TC_MIN_ELEMENTS:
             return GEMV_TC_CONFIG
         per_sm = triton.cdiv(N, GEMV_WIDE_CONFIG.block_n) / sms
         if per_sm < GEMV_WIDE_MIN_PROGRAMS_PER_SM:
@@ -1208,10 +1213,22 @@ def _launch_gemv_wide(
 
 
 def tc_split(N: int, K: int, cfg: W4A16Config, sms: int) -> tuple[int, int]:
-    """(splits, K per split) of the tensor-core gemv: ``cfg.split_k``, or enough splits of whole steps for
-    GEMV_TC_PROGRAMS_PER_SM programs per SM (its programs stream few rows: more of them hide the latency)."""
+    """(splits, K per split) of the tensor-core gemv: ``cfg.split_k``, or the split count (each split at least
+    GEMV_TC_MIN_STEPS_PER_SPLIT steps) whose grid fills its waves of GEMV_TC_PROGRAMS_PER_SM programs per SM best,
+    the fewest splits among near ties. Why waves: the programs are short and alike, so a partial last wave is time
+    lost (12-14 `6-split.jsonl`: 5376 x 21504 at 6 splits, one wave of 504 programs, 28.72 us; at 7, 588 programs,
+    34.51; 16384 x 5376 at 2 splits 22.59 us, at 3 24.24)."""
     steps = triton.cdiv(K, cfg.block_k)
-    split = cfg.split_k or triton.cdiv(GEMV_TC_PROGRAMS_PER_SM * sms, triton.cdiv(N, cfg.block_n))
+    split = cfg.split_k
+    if split is None:
+        blocks, slots = triton.cdiv(N, cfg.block_n), GEMV_TC_PROGRAMS_PER_SM * sms
+
+        def fill(s: int) -> float:
+            return blocks * s / (triton.cdiv(blocks * s, slots) * slots)
+
+        cands = range(1, max(1, steps // GEMV_TC_MIN_STEPS_PER_SPLIT) + 1)
+        best = max(fill(s) for s in cands)
+        split = min(s for s in cands if fill(s) >= best - 0.02)
     split = max(1, min(split, steps))
     k_split = triton.cdiv(steps, split) * cfg.block_k
     return triton.cdiv(K, k_split), k_split
