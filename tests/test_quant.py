@@ -449,7 +449,8 @@ def test_w4a16_gemv_tc_config_rules(monkeypatch):
     # the fullest waves of 4 x 132 programs (12-14 6-split.jsonl picks), at least 4 steps per split
     assert tc_split(5376, 21504, wk.GEMV_TC_CONFIG, 132) == (6, 3584)  # 84 row blocks x 6: one wave, 95 % full
     assert tc_split(16384, 5376, wk.GEMV_TC_CONFIG, 132) == (2, 2816)  # 512 programs, a ragged last split
-    assert tc_split(43008, 5376, wk.GEMV_TC_CONFIG, 132) == (3, 1792)  # 2016 programs in 4 waves
+    assert tc_split(43008, 5376, wk.GEMV_TC_CONFIG, 132) == (2, 2816)  # 85 % of 3 waves (3 splits: 95 % of 4)
+    assert tc_split(18432, 5376, wk.GEMV_TC_CONFIG, 132) == (3, 1792)  # 82 % of 2 waves (5 splits: 91 % of 3)
     assert tc_split(5376, 4096, wk.GEMV_TC_CONFIG, 132) == (4, 1024)  # 16 steps: 4 splits at most
     assert tc_split(64, 256, dataclasses.replace(wk.GEMV_TC_CONFIG, split_k=9), 132) == (1, 256)
 

@@ -956,13 +956,15 @@ GEMV_WIDE_SHORT_PROGRAMS_PER_SM = 12
 # M = 1, bf16 x, sm_90+, N * K >= GEMV_TC_MIN_ELEMENTS and K >= GEMV_TC_MIN_K: the tensor-core gemv, split over K
 # (``tc_split``), the splits summed in the same launch when the caller passes a counter. H200 12-14
 # (docs/h200-runs/2026-12-14/6-split.jsonl, chained launches over distinct weights, us, wide gemv -> this tile at
-# the split tc_split picks): 5376 x 21504 36.14 -> 28.72, 43008 x 5376 60.13 -> 53.93, 16384 x 5376 26.86 ->
+# the split tc_split picks): 5376 x 21504 36.14 -> 28.72, 43008 x 5376 60.13 -> 53.36, 16384 x 5376 26.86 ->
 # 22.59, 5376 x 16384 29.12 -> 24.24, 5376 x 8192 16.90 -> 15.12, 8192 x 5376 16.98 -> 13.87, 5376 x 4096 11.03
-# -> 9.90; the 26B-A4B's 4224 x 2816 lost (6.65 -> 7.56: 11 steps of K), so K < 4096 stays on CUDA cores.
+# -> 9.90, 18432 x 5376 30.64 -> 26.33; the 26B-A4B's 4224 x 2816 lost (6.65 -> 7.56: 11 steps of K), so
+# K < 4096 stays on CUDA cores.
 # GEMV_TC_PROGRAMS_PER_SM is the kernel's residency (127 registers x 128 threads: 4 programs per SM).
 GEMV_TC_CONFIG = W4A16Config(block_m=1, block_n=64, block_k=256, num_warps=4, num_stages=3, tc=True)
 GEMV_TC_PROGRAMS_PER_SM = 4
 GEMV_TC_MIN_STEPS_PER_SPLIT = 4
+GEMV_TC_FILL_SLACK = 0.15
 GEMV_TC_MIN_ELEMENTS = 16 * 1024 * 1024
 GEMV_TC_MIN_K = 4096
 DOT_TINY_CONFIG = W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
@@ -1213,11 +1215,12 @@ def _launch_gemv_wide(
 
 
 def tc_split(N: int, K: int, cfg: W4A16Config, sms: int) -> tuple[int, int]:
-    """(splits, K per split) of the tensor-core gemv: ``cfg.split_k``, or the split count (each split at least
-    GEMV_TC_MIN_STEPS_PER_SPLIT steps) whose grid fills its waves of GEMV_TC_PROGRAMS_PER_SM programs per SM best,
-    the fewest splits among near ties. Why waves: the programs are short and alike, so a partial last wave is time
-    lost (12-14 `6-split.jsonl`: 5376 x 21504 at 6 splits, one wave of 504 programs, 28.72 us; at 7, 588 programs,
-    34.51; 16384 x 5376 at 2 splits 22.59 us, at 3 24.24)."""
+    """(splits, K per split) of the tensor-core gemv: ``cfg.split_k``, or the fewest splits (each at least
+    GEMV_TC_MIN_STEPS_PER_SPLIT steps) whose grid fills its waves of GEMV_TC_PROGRAMS_PER_SM programs per SM within
+    GEMV_TC_FILL_SLACK of the best fill. Why waves: the programs are short and alike, so a partial last wave is
+    time lost (12-14 ``6-split.jsonl``: 5376 x 21504 at 6 splits, one wave of 504 programs, 28.72 us; at 7, 588
+    programs, 34.51); why the fewest: every split adds partials to sum and shortens the programs (18432 x 5376 at
+    3 splits, 82 % fill, 26.33 us; at 5, 91 %, 27.70 in call 7; 43008 x 5376 at 2 splits 53.36, at 3 53.93)."""
     steps = triton.cdiv(K, cfg.block_k)
     split = cfg.split_k
     if split is None:
@@ -1228,7 +1231,7 @@ def tc_split(N: int, K: int, cfg: W4A16Config, sms: int) -> tuple[int, int]:
 
         cands = range(1, max(1, steps // GEMV_TC_MIN_STEPS_PER_SPLIT) + 1)
         best = max(fill(s) for s in cands)
-        split = min(s for s in cands if fill(s) >= best - 0.02)
+        split = min(s for s in cands if fill(s) >= best - GEMV_TC_FILL_SLACK)
     split = max(1, min(split, steps))
     k_split = triton.cdiv(steps, split) * cfg.block_k
     return triton.cdiv(K, k_split), k_split
