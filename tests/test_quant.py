@@ -455,6 +455,49 @@ def test_w4a16_gemv_tc_config_rules(monkeypatch):
     assert tc_split(64, 256, dataclasses.replace(wk.GEMV_TC_CONFIG, split_k=9), 132) == (1, 256)
 
 
+_TC_SM90_COMPILE = """
+import json, os, re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from perfkit.kernels import w4a16_gemm as W
+
+sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "gs_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
+       "count_ptr": "*i32"} | dict.fromkeys(("N", "K", "k_split", "stride_wn", "stride_sn", "gs_stride"), "i32")
+rows = []
+for split, even, fused in ((1, True, False), (6, True, True), (3, False, True), (2, True, False)):
+    consts = {"BN": 64, "BK": 256, "SPLIT": split, "EVEN_K": even, "FUSED": fused, "INTERP": False}
+    try:
+        names = list(sig)  # the launch's specialisation at the 31B shapes: pointers, sizes and strides % 16 == 0
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n != "gs_stride"}
+        k = triton.compile(ASTSource(W._w4a16_gemv_tc_kernel, sig | dict.fromkeys(consts, "constexpr"), consts, attrs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+        ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
+        a_in_regs = "warp_group_dot" in ttgir and "dot_op<{opIdx = 0" in ttgir and "mul.rn.bf16x2" in ptx
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+            usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        regs, stack = (int(re.search(p, usage).group(1)) for p in (r"REG:(\\d+)", r"STACK:(\\d+)"))
+        rows.append(a_in_regs and ("atom" in ptx) == fused and (regs <= 128 or not even) and stack == 0)
+    except Exception as exc:
+        rows.append(f"{type(exc).__name__}: {exc}"[:2000])
+print(json.dumps(rows))
+"""
+
+
+def test_w4a16_gemv_tc_compiles_for_sm90():
+    """Ahead-of-time compile for sm_90 (no GPU; outside the interpreter, which runs the fp32 form instead of the
+    PTX): the decoded tile reaches the warpgroup MMA as its register operand, the bf16x2 multiply is there, only
+    the fused sum counts atomically, no variant spills (no stack), and with whole K steps (every 31B shape) the
+    kernel keeps within 128 registers: the 4 programs per SM that ``tc_split`` plans with (127 in the 12-14
+    compile; the masked K tail takes 134)."""
+    from aot import sm90_rows
+
+    assert sm90_rows(_TC_SM90_COMPILE) == [True] * 4
+
+
 def test_w4a16_split_k_rule():
     """split-K only below GEMV_MIN_PROGRAMS_PER_SM programs per SM (the CPU counts as one SM), at most
     MAX_SPLIT_K and the number of K steps; whole K steps per split."""

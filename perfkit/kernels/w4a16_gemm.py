@@ -532,37 +532,31 @@ def _tc_pair_f32(w, sf, SH: tl.constexpr):
 
 
 @triton.jit
+def _tc_asm(ws, ss, TEXT: tl.constexpr):
+    return tl.inline_asm_elementwise(TEXT, "=r,r,r,r", [ws, ss], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
 def _tc_pair_asm(w, sf, SH: tl.constexpr):
     """GPU: ``_tc_pair_bits`` times the bf16 scale in one PTX block, the (low, high) pair as bf16 [..., 2]. The word
     and the scale are each joined with themselves so that ``pack=2`` hands one instance the word ($1) and the
     scale's bf16x2 ($3): its one output register is the pair in place, which is the MMA operand's register (as
-    separate halves, Triton extracts and re-packs them: 2 PRMT per pair, 12-14)."""
+    separate halves, Triton extracts and re-packs them: 2 PRMT per pair, 12-14). The PTX text is passed explicitly
+    (a defaulted str constexpr failed on the device's Triton 3.6, 12-08)."""
     ws = tl.join(w, w)
     ss = tl.join(sf, sf)
     if SH == 12:
-        y = tl.inline_asm_elementwise(
-            "{ .reg .b32 s, m, d; shl.b32 s, $1, 12; shl.b32 m, $1, 6; and.b32 s, s, 0x80008000; "
-            "and.b32 m, m, 0x01C001C0; or.b32 d, s, m; mul.rn.bf16x2 $0, d, $3; }",
-            "=r,r,r,r", [ws, ss], dtype=tl.bfloat16, is_pure=True, pack=2,
-        )  # fmt: skip
+        y = _tc_asm(ws, ss, "{ .reg .b32 s, m, d; shl.b32 s, $1, 12; shl.b32 m, $1, 6; and.b32 s, s, 0x80008000; "
+                            "and.b32 m, m, 0x01C001C0; or.b32 d, s, m; mul.rn.bf16x2 $0, d, $3; }")  # fmt: skip
     elif SH == 8:
-        y = tl.inline_asm_elementwise(
-            "{ .reg .b32 s, m, d; shl.b32 s, $1, 8; shl.b32 m, $1, 2; and.b32 s, s, 0x80008000; "
-            "and.b32 m, m, 0x01C001C0; or.b32 d, s, m; mul.rn.bf16x2 $0, d, $3; }",
-            "=r,r,r,r", [ws, ss], dtype=tl.bfloat16, is_pure=True, pack=2,
-        )  # fmt: skip
+        y = _tc_asm(ws, ss, "{ .reg .b32 s, m, d; shl.b32 s, $1, 8; shl.b32 m, $1, 2; and.b32 s, s, 0x80008000; "
+                            "and.b32 m, m, 0x01C001C0; or.b32 d, s, m; mul.rn.bf16x2 $0, d, $3; }")  # fmt: skip
     elif SH == 4:
-        y = tl.inline_asm_elementwise(
-            "{ .reg .b32 s, m, d; shl.b32 s, $1, 4; shr.b32 m, $1, 2; and.b32 s, s, 0x80008000; "
-            "and.b32 m, m, 0x01C001C0; or.b32 d, s, m; mul.rn.bf16x2 $0, d, $3; }",
-            "=r,r,r,r", [ws, ss], dtype=tl.bfloat16, is_pure=True, pack=2,
-        )  # fmt: skip
+        y = _tc_asm(ws, ss, "{ .reg .b32 s, m, d; shl.b32 s, $1, 4; shr.b32 m, $1, 2; and.b32 s, s, 0x80008000; "
+                            "and.b32 m, m, 0x01C001C0; or.b32 d, s, m; mul.rn.bf16x2 $0, d, $3; }")  # fmt: skip
     else:
-        y = tl.inline_asm_elementwise(
-            "{ .reg .b32 m, d; shr.b32 m, $1, 6; and.b32 d, $1, 0x80008000; "
-            "and.b32 m, m, 0x01C001C0; or.b32 d, d, m; mul.rn.bf16x2 $0, d, $3; }",
-            "=r,r,r,r", [ws, ss], dtype=tl.bfloat16, is_pure=True, pack=2,
-        )  # fmt: skip
+        y = _tc_asm(ws, ss, "{ .reg .b32 m, d; shr.b32 m, $1, 6; and.b32 d, $1, 0x80008000; "
+                            "and.b32 m, m, 0x01C001C0; or.b32 d, d, m; mul.rn.bf16x2 $0, d, $3; }")  # fmt: skip
     return y
 
 
