@@ -522,7 +522,7 @@ def _tc_pair_bits(w, SH: tl.constexpr):
 
 @triton.jit
 def _tc_pair_f32(w, sf, SH: tl.constexpr):
-    """The interpreter's form of ``_tc_pair``: the same bf16 bit patterns widened to fp32 (a bf16 is the top half
+    """The interpreter's form of ``_tc_pair_asm``: the same bf16 bit patterns widened to fp32 (a bf16 is the top half
     of an fp32) times the fp32 scale: the same exact values, [..., 2 (low, high half)] (the interpreter's bf16
     arithmetic is not IEEE)."""
     pr = _tc_pair_bits(w, SH)
