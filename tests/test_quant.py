@@ -44,10 +44,10 @@ from perfkit.kernels.w4a16_gemm import (
     _sweep_summary,
     dequantize_nvfp4,
     dequantize_nvfp4_triton,
+    new_split_counter,
     pick_config,
     pick_path,
     quantize_nvfp4,
-    split_counter_size,
     tc_split,
     unpack_e2m1,
     w4a16_gemm,
@@ -262,19 +262,25 @@ def test_w4a16_gemv_int64_x_is_bit_identical(monkeypatch):
 WIDE = W4A16Config(block_m=1, block_n=16, block_k=64, num_warps=4, num_stages=1, prefetch=2, wide=True)
 
 
-def _count_wide(monkeypatch) -> list[int]:
-    """Counts the launches of the wide M = 1 gemv kernel (which form ran is not visible in the output)."""
+def _spy_launches(monkeypatch, launcher: str, record=lambda args: 1) -> list:
+    """``record(args)`` of each call of the w4a16 module's ``launcher`` (which kernel form ran is not visible in
+    the output)."""
     import perfkit.kernels.w4a16_gemm as wk
 
-    calls: list[int] = []
-    real = wk._launch_gemv_wide
+    calls: list = []
+    real = getattr(wk, launcher)
 
     def spy(*args, **kwargs):
-        calls.append(1)
+        calls.append(record(args))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(wk, "_launch_gemv_wide", spy)
+    monkeypatch.setattr(wk, launcher, spy)
     return calls
+
+
+def _count_wide(monkeypatch) -> list[int]:
+    """The launches of the wide M = 1 gemv kernel."""
+    return _spy_launches(monkeypatch, "_launch_gemv_wide")
 
 
 def test_w4a16_gemv_wide_matches_reference(monkeypatch):
@@ -358,18 +364,8 @@ TC = W4A16Config(block_m=1, block_n=64, block_k=64, num_warps=4, num_stages=3, t
 
 
 def _count_tc(monkeypatch) -> list[bool]:
-    """Records each launch of the tensor-core M = 1 gemv (whether it summed its splits in the same launch)."""
-    import perfkit.kernels.w4a16_gemm as wk
-
-    calls: list[bool] = []
-    real = wk._launch_gemv_tc
-
-    def spy(*args, **kwargs):
-        calls.append(args[-1] is not None)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(wk, "_launch_gemv_tc", spy)
-    return calls
+    """The launches of the tensor-core M = 1 gemv: whether each was given a counter (its splits summed in it)."""
+    return _spy_launches(monkeypatch, "_launch_gemv_tc", lambda args: args[-1] is not None)
 
 
 def test_w4a16_gemv_tc_matches_reference(monkeypatch):
@@ -382,7 +378,7 @@ def test_w4a16_gemv_tc_matches_reference(monkeypatch):
     for N, K, bk, split, per_row in cases:
         x, q, s, gs = _operands(1, N, K, torch.bfloat16, seed=60 + N + K, per_row_gs=per_row)
         cfg = dataclasses.replace(TC, block_k=bk, split_k=split)
-        counter = torch.zeros(split_counter_size(N), dtype=torch.int32, device=DEVICE)
+        counter = new_split_counter(N, DEVICE)
         for out_dtype in (torch.float32, torch.bfloat16):
             out = w4a16_gemm(x, q, s, gs, out_dtype=out_dtype, config=cfg, path="gemv", split_counter=counter)
             _assert_w4a16_close(out, x, q, s, gs)
@@ -1387,7 +1383,7 @@ def test_gpu_w4a16_gemv_tc_real_shapes_and_graph_replays(N, K):
     gen = torch.Generator().manual_seed(N + K)
     q, s, gs = (t.cuda() for t in quantize_nvfp4(torch.randn(N, K, generator=gen) * 0.02))
     cfg = wk.GEMV_TC_CONFIG
-    counter = torch.zeros(split_counter_size(N), dtype=torch.int32, device="cuda")
+    counter = new_split_counter(N, "cuda")
     x = torch.randn(1, K, device="cuda").to(torch.bfloat16)
     fused = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=cfg, path="gemv", split_counter=counter)
     _assert_w4a16_close(fused, x, q, s, gs)

@@ -90,7 +90,7 @@ import torch
 import triton
 import triton.language as tl
 
-from perfkit.kernels.launch import interpreting, sm_count
+from perfkit.kernels.launch import capability, interpreting, sm_count
 from perfkit.kernels.stream import chain_args, chain_columns, stream_chain_us, stream_read_ms
 from perfkit.kernels.timing import graph_ms
 
@@ -509,10 +509,7 @@ def _w4a16_gemv_wide_kernel(
 def _tc_pair_bits(w, SH: tl.constexpr):
     """uint32 words -> bf16x2 bit patterns of codes (j, j + 4), j = (12 - SH) / 4: each sign to bit 15 / 31, each
     ``e1 e0 m`` to bits 8..6 / 24..22, so each half is ``e2m1 * 2^-126`` (a bf16 subnormal for the code 0.5)."""
-    if SH >= 0:
-        s = w << SH
-    else:
-        s = w >> (-SH)
+    s = w << SH  # SH in (12, 8, 4, 0)
     if SH >= 6:
         m = w << (SH - 6)
     else:
@@ -1075,7 +1072,7 @@ def _asm() -> bool:
 def tensor_cores_for_gemv(device: torch.device) -> bool:
     """Whether the tensor-core M = 1 gemv can run on ``device``: a CUDA GPU of compute capability 9.0+ (its PTX
     multiplies bf16x2, an sm_90 instruction; the form was timed on Hopper), not under the interpreter."""
-    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device) >= (9, 0)
+    return not interpreting() and capability(device) >= (9, 0)
 
 
 def _fit(cfg: W4A16Config, path: str, M: int, N: int, K: int) -> W4A16Config:
@@ -1231,9 +1228,9 @@ def tc_split(N: int, K: int, cfg: W4A16Config, sms: int) -> tuple[int, int]:
     return triton.cdiv(K, k_split), k_split
 
 
-def split_counter_size(N: int) -> int:
-    """int32 elements of a ``split_counter`` for a weight of N rows: one per row block of the smallest tc tile."""
-    return triton.cdiv(N, 16)
+def new_split_counter(N: int, device: torch.device | str) -> torch.Tensor:
+    """A ``split_counter`` for a weight of N rows: int32 zeros, one per row block of the smallest tc tile."""
+    return torch.zeros(triton.cdiv(N, 16), dtype=torch.int32, device=device)
 
 
 def _launch_gemv_tc(
@@ -1423,7 +1420,7 @@ def w4a16_gemm(
     ``scale_mode`` (dot path): broadcast | gather (how block scales reach the tile; same result). ``gs_runs``:
     the same global scale as host runs (``global_scale_runs``, cached by the caller); dequant_mm with a CUDA bf16 /
     fp16 x in and out then applies each run as cuBLAS's alpha instead of an fp32 epilogue pass. ``split_counter``
-    (the tensor-core gemv's split-K sum in its own launch): int32 zeros of ``split_counter_size(N)``, owned by the
+    (the tensor-core gemv's split-K sum in its own launch): ``new_split_counter(N, device)``, owned by the
     caller, never used by two launches at once; the kernel leaves it at zero. Without it a second launch sums."""
     M, N, K = _check(x, weight, weight_scale)
     if weight.dim() != 2:
@@ -1643,8 +1640,7 @@ def _bench_case(
         if chosen == "gemv" and M == 1 and x.is_cuda:
             counter = counters.get(w[0].data_ptr())
             if counter is None:
-                counter = counters[w[0].data_ptr()] = torch.zeros(split_counter_size(N), dtype=torch.int32,
-                                                                    device=x.device)  # fmt: skip
+                counter = counters[w[0].data_ptr()] = new_split_counter(N, x.device)
         return w4a16_gemm(x, *w, config=cfg, scale_mode=scale_mode, path=chosen, split_counter=counter)
 
     def fn():

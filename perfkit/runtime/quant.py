@@ -59,9 +59,9 @@ from perfkit.kernels.moe import QuantExpertWeights, fused_moe_quantized, gather_
 from perfkit.kernels.w4a16_gemm import (
     dequantize_nvfp4,
     global_scale_runs,
+    new_split_counter,
     pick_path,
     quantize_nvfp4,
-    split_counter_size,
     w4a16_gemm,
     w4a16_gemm_gathered,
 )
@@ -293,8 +293,7 @@ class Nvfp4Linear(nn.Module):
         if c is None or c.device != w.device:
             if w.is_cuda and torch.cuda.is_current_stream_capturing():
                 return None
-            c = self._split_counter = torch.zeros(split_counter_size(self.out_features), dtype=torch.int32,
-                                                  device=w.device)  # fmt: skip
+            c = self._split_counter = new_split_counter(self.out_features, w.device)
         return c
 
     def forward(self, x: Tensor) -> Tensor:
