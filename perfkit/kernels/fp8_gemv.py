@@ -58,7 +58,6 @@ rows x 2048) against 5.7 for the 8-byte 8 x 4 x 1024 tile counted the same way, 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import time
@@ -70,7 +69,7 @@ import triton
 import triton.language as tl
 
 from perfkit.kernels.fp8 import FP8_DTYPE, dequantize_fp8_rowwise, fp8_linear, fp8_supported, quantize_fp8_rowwise
-from perfkit.kernels.launch import interpreting, sm_count
+from perfkit.kernels.launch import capability, interpreting, sm_count
 from perfkit.kernels.stream import chain_args, chain_columns, stream_chain_us, stream_read_ms
 from perfkit.kernels.timing import graph_ms
 from perfkit.kernels.w4a16_gemm import HBM_BYTES_PER_S, _finish_split
@@ -300,17 +299,12 @@ def default_config() -> Fp8GemvConfig:
     return INTERPRETER_CONFIG if interpreting() else GEMV_CONFIG
 
 
-@functools.lru_cache(maxsize=8)
-def _has_fp8_cvt(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)  # cvt.rn.f16x2.e4m3x2: sm_89+
-
-
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
+def _has_fp8_cvt(device: torch.device) -> bool:
+    return capability(device) >= (8, 9)  # cvt.rn.f16x2.e4m3x2: sm_89+ (False off CUDA)
 
 
 def _asm(device: torch.device) -> bool:
-    return INLINE_ASM_CVT and not interpreting() and device.type == "cuda" and _has_fp8_cvt(_device_index(device))
+    return INLINE_ASM_CVT and not interpreting() and _has_fp8_cvt(device)
 
 
 def _fit(cfg: Fp8GemvConfig, M: int, N: int, K: int) -> tuple[int, int, int]:
@@ -374,7 +368,7 @@ def fp8_gemv(
     ``config``: the tile (default ``default_config()``). No host sync: CUDA-graph capturable. CUDA: sm_89+ (Triton's
     float8e4nv conversions; the FP8 linears need it anyway)."""
     M, N, K = _check(x, weight, weight_scale)
-    if x.device.type == "cuda" and not interpreting() and not _has_fp8_cvt(_device_index(x.device)):
+    if x.device.type == "cuda" and not interpreting() and not _has_fp8_cvt(x.device):
         raise RuntimeError(
             f"fp8_gemv needs an sm_89+ GPU (e4m3 conversions), got {torch.cuda.get_device_name(x.device)}"
         )
