@@ -20,7 +20,18 @@ pytest.importorskip("triton")
 
 from perfkit.config import Toggles  # noqa: E402
 from perfkit.errors import PerfkitError  # noqa: E402
-from perfkit.kernels import gelu_mul, gemv, moe, moe_ffn, paged_decode, pdl, qk_norm_rope, rmsnorm  # noqa: E402
+from perfkit.kernels import (  # noqa: E402
+    gelu_mul,
+    gemv,
+    moe,
+    moe_ffn,
+    paged_decode,
+    pdl,
+    qk_norm_rope,
+    rmsnorm,
+    stream,
+    w4a16_gemm,
+)
 from perfkit.runners.suite import resolve_toggles  # noqa: E402
 from perfkit.runtime import model as model_mod  # noqa: E402
 from perfkit.runtime.engine import TOGGLES, Engine, EngineConfig  # noqa: E402
@@ -28,7 +39,7 @@ from perfkit.runtime.model_config import get_preset  # noqa: E402
 from perfkit.runtime.weights import build_model  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-KERNEL_MODULES = (gelu_mul, gemv, moe, moe_ffn, paged_decode, qk_norm_rope, rmsnorm)
+KERNEL_MODULES = (gelu_mul, gemv, moe, moe_ffn, paged_decode, qk_norm_rope, rmsnorm, stream, w4a16_gemm)
 
 
 # ---- launch arguments and availability ----------------------------------------------------------------------
@@ -66,12 +77,13 @@ def test_every_pdl_kernel_waits_before_any_store_or_return():
     assert {"_gemv_kernel", "_rmsnorm_kernel", "_sandwich_kernel", "_gelu_mul_kernel", "_qk_norm_rope_kernel",
             "_qkv_norm_rope_kernel", "_paged_decode_kernel", "_merge_splits_kernel", "_moe_routing_kernel",
             "_moe_gather_gate_up_kernel", "_moe_gather_down_kernel", "_moe_ffn_gate_up_kernel",
-            "_moe_ffn_down_kernel"} <= names  # fmt: skip
+            "_moe_ffn_down_kernel", "_w4a16_gemv_tc_kernel", "_w4a16_gemv_wide_kernel", "_stream_kernel"} <= names  # fmt: skip
     for name, src in kernels:
         body = ast.parse(src).body[0].body
         enters = [i for i, st in enumerate(body) if "pdl_enter(PDL)" in ast.unparse(st) and isinstance(st, ast.Expr)]
         assert len(enters) == 1, f"{name}: one top-level pdl_enter(PDL) statement"
-        before = "\n".join(ast.unparse(st) for st in body[: enters[0]])
+        docstring = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+        before = "\n".join(ast.unparse(st) for st in body[int(docstring) : enters[0]])
         for forbidden in ("tl.store", "tl.atomic", "return", "for ", "while "):
             assert forbidden not in before, f"{name}: {forbidden!r} before pdl_enter"
 
@@ -95,6 +107,25 @@ def test_set_pdl_reaches_every_module_that_launches():
             "Gemma4ForCausalLM"} <= kinds  # fmt: skip
     model.set_pdl(False)
     assert not any(m.pdl for m in flagged)
+
+
+def test_set_pdl_reaches_the_nvfp4_linears(monkeypatch):
+    """The NVFP4 linears take the model's flag and pass it to ``w4a16_gemm`` (its M = 1 gemv kernels launch with
+    PDL; the CPU run here only checks the plumbing)."""
+    from perfkit.runtime import quant
+
+    model = build_model(get_preset("tiny"), "cpu", torch.float32, seed=0)
+    quant.quantize_model_(model, "nvfp4")
+    lins = [m for m in model.modules() if isinstance(m, quant.Nvfp4Linear)]
+    assert lins and not any(m.pdl for m in lins)
+    model.set_pdl(True)
+    assert all(m.pdl is True for m in lins)
+    seen = []
+    monkeypatch.setattr(quant, "w4a16_gemm", lambda x, *a, **kw: seen.append(kw["pdl"]) or x @ lin.dequantized_weight().T)
+    lin = lins[0]
+    lin.backend = "w4a16-triton"
+    lin(torch.randn(1, lin.in_features))
+    assert seen == [True]
 
 
 def _engine_kw():

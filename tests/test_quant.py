@@ -365,7 +365,7 @@ TC = W4A16Config(block_m=1, block_n=64, block_k=64, num_warps=4, num_stages=3, t
 
 def _count_tc(monkeypatch) -> list[bool]:
     """The launches of the tensor-core M = 1 gemv: whether each was given a counter (its splits summed in it)."""
-    return _spy_launches(monkeypatch, "_launch_gemv_tc", lambda args: args[-1] is not None)
+    return _spy_launches(monkeypatch, "_launch_gemv_tc", lambda args: args[7] is not None)  # the counter
 
 
 def test_w4a16_gemv_tc_matches_reference(monkeypatch):
@@ -461,8 +461,10 @@ from perfkit.kernels import w4a16_gemm as W
 sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "gs_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
        "count_ptr": "*i32"} | dict.fromkeys(("N", "K", "k_split", "stride_wn", "stride_sn", "gs_stride"), "i32")
 rows = []
-for split, even, fused in ((1, True, False), (6, True, True), (3, False, True), (2, True, False)):
-    consts = {"BN": 64, "BK": 256, "SPLIT": split, "EVEN_K": even, "FUSED": fused, "INTERP": False}
+for split, even, fused, pdl in ((1, True, False, 0), (6, True, True, 0), (3, False, True, 0), (2, True, False, 0),
+                                (6, True, True, 1)):
+    consts = {"BN": 64, "BK": 256, "SPLIT": split, "EVEN_K": even, "FUSED": fused, "INTERP": False, "PDL": pdl,
+              "PREFETCH": 4 * pdl}
     try:
         names = list(sig)  # the launch's specialisation at the 31B shapes: pointers, sizes and strides % 16 == 0
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n != "gs_stride"}
@@ -476,7 +478,10 @@ for split, even, fused in ((1, True, False), (6, True, True), (3, False, True), 
             tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
             usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
         regs, stack = (int(re.search(p, usage).group(1)) for p in (r"REG:(\\d+)", r"STACK:(\\d+)"))
-        rows.append(a_in_regs and ("atom" in ptx) == fused and (regs <= 128 or not even) and stack == 0)
+        waits = ptx.count("griddepcontrol.wait"), ptx.count("prefetch.global.L2")
+        first = ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol")
+        pdl_ok = waits == ((1, 4) if pdl else (0, 0)) and (first or not pdl)
+        rows.append(a_in_regs and ("atom" in ptx) == fused and (regs <= 128 or not even) and stack == 0 and pdl_ok)
     except Exception as exc:
         rows.append(f"{type(exc).__name__}: {exc}"[:2000])
 print(json.dumps(rows))
@@ -488,10 +493,11 @@ def test_w4a16_gemv_tc_compiles_for_sm90():
     PTX): the decoded tile reaches the warpgroup MMA as its register operand, the bf16x2 multiply is there, only
     the fused sum counts atomically, no variant spills (no stack), and with whole K steps (every 31B shape) the
     kernel keeps within 128 registers: the 4 programs per SM that ``tc_split`` plans with (127 in the 12-14
-    compile; the masked K tail takes 134)."""
+    compile; the masked K tail takes 134). Launched with PDL, its L2 prefetches (4 per thread: 2 steps x 64 rows
+    of words and of scales over 128 threads) come before its one wait, at no register cost."""
     from aot import sm90_rows
 
-    assert sm90_rows(_TC_SM90_COMPILE) == [True] * 4
+    assert sm90_rows(_TC_SM90_COMPILE) == [True] * 5
 
 
 def test_w4a16_split_k_rule():
@@ -1405,6 +1411,47 @@ def test_gpu_w4a16_gemv_tc_real_shapes_and_graph_replays(N, K):
         for a, b in zip(g_outs, outs, strict=True):
             assert torch.equal(a, b)
     assert not counter.any()
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_w4a16_pdl_chain_equals_plain():
+    """PDL launches of the M = 1 gemv kernels in a dependent chain (each reads the output of the one before, an
+    rmsnorm between, as in a decode layer): wide 5376 x 2816 -> tensor-core 8192 x 5376 -> rmsnorm -> tensor-core
+    2816 x 8192, twice, captured in a CUDA graph and replayed with new x: bit for bit the plain eager chain (same
+    kernels, same split order; the L2 prefetch before the wait reads only weights), counters back at zero."""
+    import perfkit.kernels.w4a16_gemm as wk
+    from perfkit.kernels.rmsnorm import rmsnorm
+
+    gen = torch.Generator().manual_seed(15)
+    layers = [tuple(t.cuda() for t in quantize_nvfp4(torch.randn(n, k, generator=gen) * 0.05))
+              for n, k in ((5376, 2816), (8192, 5376), (2816, 8192))]  # fmt: skip
+    dev = torch.device("cuda")
+    picks = [wk.pick_config(1, "gemv", torch.bfloat16, q.shape[0], wk.sm_count(dev), 2 * q.shape[1], True)
+             for q, _, _ in layers]  # fmt: skip
+    assert [c.wide for c in picks] == [True, False, False] and [c.tc for c in picks] == [False, True, True]
+    counters = [new_split_counter(q.shape[0], dev) for q, _, _ in layers]
+    norm_w = torch.rand(8192, device=dev).to(torch.bfloat16) + 0.5
+
+    def chain(x, pdl):
+        for _ in range(2):
+            h = w4a16_gemm(x, *layers[0], split_counter=counters[0], pdl=pdl)
+            h = w4a16_gemm(h, *layers[1], split_counter=counters[1], pdl=pdl)
+            h = rmsnorm(h, norm_w, 1e-6, pdl=pdl)
+            x = w4a16_gemm(h, *layers[2], split_counter=counters[2], pdl=pdl) * 0.05
+        return x
+
+    xs = torch.randn(1, 2816, device=dev).to(torch.bfloat16)
+    chain(xs, True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(xs, True)
+    for _ in range(3):
+        xs.copy_(torch.randn(1, 2816, device=dev).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, chain(xs, False))
+    assert not any(c.any() for c in counters)
 
 
 @pytest.mark.gpu

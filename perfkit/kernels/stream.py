@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from perfkit.kernels.launch import sm_count
+from perfkit.kernels.pdl import pdl_enter, pdl_launch
 from perfkit.kernels.timing import graph_ms, graph_sequence_us
 
 
@@ -36,7 +37,9 @@ def _stream_kernel(
     words_per_program,  # multiple of BLOCK * UNROLL
     BLOCK: tl.constexpr,  # words per load step of the program (num_warps * 32 threads * 4 words)
     UNROLL: tl.constexpr,  # independent loads per thread per iteration: 1, 2 or 4
+    PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py): every read after the wait
 ):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     start = pid.to(tl.int64) * words_per_program
@@ -85,8 +88,9 @@ def _span(n_words: int, cfg: StreamConfig, sms: int) -> tuple[int, int]:
     return triton.cdiv(n_words, per), per
 
 
-def stream_fold(words: torch.Tensor, cfg: StreamConfig = StreamConfig()) -> torch.Tensor:
-    """Run the probe over int32 ``words`` (1-D): [programs, block] XOR folds (the result only proves the read)."""
+def stream_fold(words: torch.Tensor, cfg: StreamConfig = StreamConfig(), pdl: bool = False) -> torch.Tensor:
+    """Run the probe over int32 ``words`` (1-D): [programs, block] XOR folds (the result only proves the read).
+    pdl: launched with programmatic dependent launch, waiting for its predecessor before any read (sm_90+)."""
     if words.dtype != torch.int32 or words.dim() != 1:
         raise ValueError(f"want a 1-D int32 tensor, got {words.dtype} {tuple(words.shape)}")
     if cfg.unroll not in (1, 2, 4) or cfg.num_warps < 1 or cfg.num_warps & (cfg.num_warps - 1):
@@ -96,7 +100,7 @@ def stream_fold(words: torch.Tensor, cfg: StreamConfig = StreamConfig()) -> torc
     if words.numel() == 0:
         return out.zero_()
     _stream_kernel[(programs,)](words, out, words.numel(), per, BLOCK=cfg.block, UNROLL=cfg.unroll,
-                                num_warps=cfg.num_warps)  # fmt: skip
+                                num_warps=cfg.num_warps, **pdl_launch(pdl))  # fmt: skip
     return out
 
 
@@ -145,13 +149,15 @@ def chain_copies(nbytes: int, most: int = 20) -> int:
     return max(2, min(most, triton.cdiv(CHAIN_BYTES, max(int(nbytes), 1))))
 
 
-def stream_chain_us(nbytes: int, device: str = "cuda", configs=STREAM_CONFIGS) -> dict:
+def stream_chain_us(nbytes: int, device: str = "cuda", configs=STREAM_CONFIGS, pdl: bool = False) -> dict:
     """The load-only read of ``nbytes`` the way a decode step runs its kernels: CHAIN_CALLS launches back to back in
     one CUDA graph over distinct buffers (``graph_sequence_us``), us per launch, the fastest config. Why beside
     ``stream_read_ms``: one launch per replay with L2 flushed carries a fixed cost (graph launch, ramp, tail) that
     a launch in a chain does not (H200 12-12: 46.1 MB 20.48 us alone, 13.70 us per launch chained), and that fixed
     cost, present in a kernel timed the same way, lifts any "% of the ceiling" of a kernel of a few tens of us
-    (12-13: the W4A16 gemv's 58.5-64.8 % of one launch are 47.1-56.6 % in a chain)."""
+    (12-13: the W4A16 gemv's 58.5-64.8 % of one launch are 47.1-56.6 % in a chain). pdl: each launch with PDL,
+    every read after its wait: the ceiling for kernels chained with PDL (their launch overlaps the predecessor's
+    tail)."""
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("stream_chain_us needs CUDA")
     n = triton.cdiv(int(nbytes), 4)
@@ -160,7 +166,7 @@ def stream_chain_us(nbytes: int, device: str = "cuda", configs=STREAM_CONFIGS) -
     ]
     best: dict | None = None
     for cfg in configs:
-        us = graph_sequence_us(lambda b, cfg=cfg: stream_fold(b, cfg), bufs, CHAIN_CALLS, CHAIN_REPLAYS)
+        us = graph_sequence_us(lambda b, cfg=cfg: stream_fold(b, cfg, pdl), bufs, CHAIN_CALLS, CHAIN_REPLAYS)
         if best is None or us < best["stream_chain_us"]:
             best = {"stream_chain_us": us, "config": asdict(cfg)}
     assert best is not None

@@ -91,6 +91,7 @@ import triton
 import triton.language as tl
 
 from perfkit.kernels.launch import capability, interpreting, sm_count
+from perfkit.kernels.pdl import pdl_enter, pdl_launch
 from perfkit.kernels.stream import chain_args, chain_columns, stream_chain_us, stream_read_ms
 from perfkit.kernels.timing import graph_ms
 
@@ -490,12 +491,14 @@ def _w4a16_gemv_wide_kernel(
     BLOCK_K: tl.constexpr,  # >= 32
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: clamped prefetch, no masks
     ASM: tl.constexpr,
+    PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
 ):
     """The M = 1 gemv in the wide form (``W4A16Config.wide``): each thread owns 32 consecutive K of a row per step
     (4 words = 2 scale groups: one 16-byte load, one 2-byte scale load), and the program's rows are two sets of H
     in the same layout, so each thread loads and converts its 32 x elements once for two weight rows. Two steps
     in flight as in the narrow kernel. Per weight element: 5.8 SASS instructions in the loop (narrow: 7.3), no
     shared memory (sm_90, Triton 3.9 offline compile, 16 x 1024 x 8 warps and 16 x 512 x 4 warps)."""
+    pdl_enter(PDL)
     row0 = tl.program_id(0) * 2 * H
     offs_a, ra, ya, offs_b, rb, yb = _wide_gemv(x_ptr, w_ptr, s_ptr, row0, N, K, K, stride_wn, stride_sn, H,
                                                 BLOCK_K, EVEN_K, ASM)  # fmt: skip
@@ -605,6 +608,22 @@ def _tc_x_tile(x_ptr, k0, K, BK: tl.constexpr):
 
 
 @triton.jit
+def _l2_prefetch(ptrs):
+    """Ask L2 for the lines holding ``ptrs`` without waiting (``prefetch.global.L2``; its dummy result unused)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+
+
+@triton.jit
+def _tc_prefetch(w_ptr, s_ptr, rr, stride_wn, stride_sn, k_lo, k_hi, BK: tl.constexpr, STEPS: tl.constexpr):
+    """The first STEPS steps of this program's words and scales into L2 (one prefetch per row and step each: a
+    256-wide step of a row is one 128-byte line of words; repeats within a scale line are harmless)."""
+    k = tl.minimum(k_lo + BK * tl.arange(0, STEPS), k_hi - 1)  # [STEPS], clamped into this split
+    _l2_prefetch(w_ptr + rr[:, None] * stride_wn + (k // 8)[None, :])
+    _l2_prefetch(s_ptr + rr[:, None] * stride_sn + (k // 16)[None, :])
+
+
+@triton.jit
 def _w4a16_gemv_tc_kernel(
     x_ptr,  # [1, K] bf16
     w_ptr,  # [N, K/8] int32 packed weight
@@ -625,17 +644,25 @@ def _w4a16_gemv_tc_kernel(
     EVEN_K: tl.constexpr,  # K % BK == 0: no masks
     FUSED: tl.constexpr,  # SPLIT > 1: the split of a row block that counts last sums the partials
     INTERP: tl.constexpr,
+    PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
+    PREFETCH: tl.constexpr = 0,  # with PDL: steps of weight asked into L2 before the wait (a power of two; 0: none)
 ):
     """The M = 1 gemv on the tensor cores (``W4A16Config.tc``): rows [pid * BN, + BN) over K in [pid_k * k_split,
     + k_split), weights on the MMA's M side and x as its N side. Each step's A operand comes straight from the
     words a thread loads (``_tc_tile``: the K order is permuted to the MMA fragment's, x gathered in the same
     order), so the multiply-add costs nothing per element; what is left is ~2.5 instructions per element of
-    decode and block scale (3.7 per element in the loop against the wide CUDA-core gemv's 5.8, sm_90 compile)."""
+    decode and block scale (3.7 per element in the loop against the wide CUDA-core gemv's 5.8, sm_90 compile).
+    With PDL the program asks L2 for its first PREFETCH steps of weight (constant data) before it waits for its
+    predecessor: those DRAM reads overlap the previous kernel's tail, and the pipelined loads after the wait hit
+    L2. Everything that reads x or writes (the output, the partials, the count) comes after the wait."""
     pid = tl.program_id(0)
     k_lo = tl.multiple_of(tl.program_id(1) * k_split, BK)
     k_hi = tl.minimum(k_lo + k_split, K)
     rows = pid * BN + tl.arange(0, BN)
     rr = tl.minimum(rows, N - 1).to(tl.int64)
+    if PDL and PREFETCH > 0:
+        _tc_prefetch(w_ptr, s_ptr, rr, stride_wn, stride_sn, k_lo, k_hi, BK, PREFETCH)
+    pdl_enter(PDL)
     col = tl.arange(0, 16)
     acc = tl.zeros((BN, 16), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
@@ -958,6 +985,8 @@ GEMV_TC_MIN_STEPS_PER_SPLIT = 4
 GEMV_TC_FILL_SLACK = 0.15
 GEMV_TC_MIN_ELEMENTS = 16 * 1024 * 1024
 GEMV_TC_MIN_K = 4096
+# Launched with PDL (``w4a16_gemm(pdl=True)``): steps of weight each program asks into L2 before its wait.
+GEMV_TC_PDL_PREFETCH = 4
 DOT_TINY_CONFIG = W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 # M 17-64: the swapped tile (weight rows on the wgmma's M side) with the scales a step ahead. H200 12-01i
 # (docs/h200-runs/2026-12-01i/1-w4a16_dot.jsonl, M 32 and 64 x four 31B shapes): geomean 1.055x the per-shape
@@ -1157,15 +1186,16 @@ def _launch_gemv(
     out_dtype: torch.dtype,
     cfg: W4A16Config,
     split_counter: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     M, K = x.shape
     N = words.shape[-2]
     cfg = _fit(cfg, "gemv", M, N, K)
     per_row = expert_ids is not None
     if cfg.tc and M == 1 and not per_row and x.dtype == torch.bfloat16:
-        return _launch_gemv_tc(x, words, scales, gs, gs_stride, out_dtype, cfg, split_counter)
+        return _launch_gemv_tc(x, words, scales, gs, gs_stride, out_dtype, cfg, split_counter, pdl)
     if cfg.wide and M == 1 and not per_row and _x64(x) and K % 32 == 0:
-        return _launch_gemv_wide(x, words, scales, gs, gs_stride, out_dtype, cfg)
+        return _launch_gemv_wide(x, words, scales, gs, gs_stride, out_dtype, cfg, pdl)
     bm = 1 if per_row else min(cfg.block_m, GEMV_MAX_ROWS, triton.next_power_of_2(M))
     grid_m = M if per_row else triton.cdiv(M, bm)
     grid_n = triton.cdiv(N, cfg.block_n)
@@ -1194,6 +1224,7 @@ def _launch_gemv_wide(
     gs_stride: int,
     out_dtype: torch.dtype,
     cfg: W4A16Config,
+    pdl: bool = False,
 ) -> torch.Tensor:
     K = x.shape[1]
     N = words.shape[0]
@@ -1201,6 +1232,7 @@ def _launch_gemv_wide(
     _w4a16_gemv_wide_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, words, scales, gs, out, N, K, words.stride(0), scales.stride(0), gs_stride,
         H=cfg.block_n // 2, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, ASM=_asm(), num_warps=cfg.num_warps,
+        **pdl_launch(pdl),
     )  # fmt: skip
     return out
 
@@ -1242,9 +1274,11 @@ def _launch_gemv_tc(
     out_dtype: torch.dtype,
     cfg: W4A16Config,
     counter: torch.Tensor | None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """The tensor-core gemv; with ``counter`` (int32, zeros, one per row block) the splits are summed in the same
-    launch, else by ``_finish_split`` after it."""
+    launch, else by ``_finish_split`` after it (a plain launch). pdl: launched with PDL, GEMV_TC_PDL_PREFETCH
+    steps of each program's weight asked into L2 before its wait."""
     K = x.shape[1]
     N = words.shape[0]
     split, k_split = tc_split(N, K, cfg, sm_count(x.device))
@@ -1258,6 +1292,7 @@ def _launch_gemv_tc(
         x, words, scales, gs, out, part, counter if fused else words, N, K, k_split, words.stride(0),
         scales.stride(0), gs_stride, BN=cfg.block_n, BK=cfg.block_k, SPLIT=split, EVEN_K=K % cfg.block_k == 0,
         FUSED=fused, INTERP=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PREFETCH=GEMV_TC_PDL_PREFETCH if pdl else 0, **pdl_launch(pdl),
     )  # fmt: skip
     return out if split == 1 or fused else _finish_split(part, out)
 
@@ -1413,6 +1448,7 @@ def w4a16_gemm(
     path: str = "auto",
     gs_runs: Sequence[tuple[int, int, float]] | None = None,
     split_counter: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``x [M, K] @ dequant(weight [N, K/2])^T -> [M, N]`` (format and paths: module docstring). ``global_scale``:
     scalar or per output row [N]. No host sync (the global scale is read on the device): CUDA-graph safe.
@@ -1421,7 +1457,9 @@ def w4a16_gemm(
     the same global scale as host runs (``global_scale_runs``, cached by the caller); dequant_mm with a CUDA bf16 /
     fp16 x in and out then applies each run as cuBLAS's alpha instead of an fp32 epilogue pass. ``split_counter``
     (the tensor-core gemv's split-K sum in its own launch): ``new_split_counter(N, device)``, owned by the
-    caller, never used by two launches at once; the kernel leaves it at zero. Without it a second launch sums."""
+    caller, never used by two launches at once; the kernel leaves it at zero. Without it a second launch sums.
+    ``pdl``: the M = 1 gemv kernels (tensor-core and wide) launch with programmatic dependent launch
+    (perfkit/kernels/pdl.py; sm_90+ only, the caller checks); the other paths launch plainly."""
     M, N, K = _check(x, weight, weight_scale)
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [N, K/2], got {tuple(weight.shape)}")
@@ -1438,7 +1476,7 @@ def w4a16_gemm(
         return torch.empty((M, N), dtype=out_dtype, device=x.device)
     x, words, scales, gs = _unit_k(x), _words(weight), weight_scale.contiguous().view(torch.uint8), gs.contiguous()
     if chosen == "gemv":
-        return _launch_gemv(x, words, scales, gs, 0 if gs.numel() == 1 else 1, None, out_dtype, cfg, split_counter)
+        return _launch_gemv(x, words, scales, gs, 0 if gs.numel() == 1 else 1, None, out_dtype, cfg, split_counter, pdl)
     if chosen == "dot":
         return _launch_dot(x, words, scales, gs, 0 if gs.numel() == 1 else 1, out_dtype, cfg, scale_mode == "gather")
     if gs_runs is not None and (gs_runs[0][0] != 0 or gs_runs[-1][1] != N):
@@ -1623,12 +1661,14 @@ def _bench_case(
     warmup: int,
     rep: int,
     chain: tuple[Sequence[tuple[torch.Tensor, ...]], float] | None = None,
+    pdl: bool = False,
 ) -> dict:
     """One (path, tile) timed three ways: eager (do_bench), one launch per CUDA-graph replay (``graph_ms``), and,
     with ``chain = (weights, stream_chain_us)`` (CUDA), CHAIN_CALLS launches back to back over those distinct
     (packed, scale, global scale) weights, against the load-only chain of the same bytes: the decode step's
     condition, without the fixed cost of a lone launch that flatters ``graph_pct_of_stream``
-    (``perfkit.kernels.stream.stream_chain_us``)."""
+    (``perfkit.kernels.stream.stream_chain_us``). pdl: every launch with PDL (``w4a16_gemm(pdl=)``), the chain's
+    load-only ceiling too."""
     M, K = x.shape
     N = packed.shape[0]
     chosen = pick_path(M, path)
@@ -1641,7 +1681,7 @@ def _bench_case(
             counter = counters.get(w[0].data_ptr())
             if counter is None:
                 counter = counters[w[0].data_ptr()] = new_split_counter(N, x.device)
-        return w4a16_gemm(x, *w, config=cfg, scale_mode=scale_mode, path=chosen, split_counter=counter)
+        return w4a16_gemm(x, *w, config=cfg, scale_mode=scale_mode, path=chosen, split_counter=counter, pdl=pdl)
 
     def fn():
         return call((packed, scale, gs))
@@ -1657,6 +1697,7 @@ def _bench_case(
         "K": K,
         "path": chosen,
         "config": asdict(cfg),
+        "pdl": pdl,
         "median_ms": ms,
         "graph_ms": g_ms,
         "bound_ms": t["bound_ms"],
@@ -1684,14 +1725,15 @@ def _chain_weights(
 
 
 def _chain_setup(
-    M: int, N: int, K: int, weights: list[tuple[torch.Tensor, ...]] | None, dtype: torch.dtype, device: str
+    M: int, N: int, K: int, weights: list[tuple[torch.Tensor, ...]] | None, dtype: torch.dtype, device: str,
+    pdl: bool = False,
 ) -> tuple[list[tuple[torch.Tensor, ...]], float] | None:
     """``_bench_case``'s ``chain`` for M rows: the shape's weights and the load-only chain of the GEMM's bytes at
-    this M; None without weights."""
+    this M (launched with PDL when ``pdl``); None without weights."""
     if weights is None:
         return None
     nbytes = int(w4a16_gemm_traffic(M, N, K, torch.empty((), dtype=dtype).element_size())["total_bytes"])
-    return weights, stream_chain_us(nbytes, device)["stream_chain_us"]
+    return weights, stream_chain_us(nbytes, device, pdl=pdl)["stream_chain_us"]
 
 
 def bench_w4a16(
@@ -1704,12 +1746,13 @@ def bench_w4a16(
     seed: int = 0,
     path: str = "auto",
     device: str = "cuda",
+    pdl: bool = False,
 ) -> dict:
     """GPU timing of one W4A16 GEMM (random weights, NVFP4-quantised): median ms of eager calls
     (triton.testing.do_bench, L2 flushed between reps) and of CUDA-graph replays (``graph_ms``), us per launch in a
     back-to-back chain (``chain_us``), the bandwidth bound and the % of it reached, the load-only ceilings of the
     same bytes (one launch, chained), the dense cuBLAS GEMM of the same shape, the error against the reference,
-    the path taken and its tile."""
+    the path taken and its tile. pdl: every launch with PDL, the load-only chain too (``_bench_case``)."""
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("bench_w4a16 needs CUDA")
     packed, scale, gs, w_dense, gen = _bench_weights(N, K, dtype, seed, device)
@@ -1717,8 +1760,8 @@ def bench_w4a16(
     ref = w4a16_gemm_ref(x, packed, scale, gs, out_dtype=torch.float32)
     dense_ms = triton.testing.do_bench(lambda: x @ w_dense.T, return_mode="median")
     stream_ms = _stream_ms(M, N, K, x.element_size(), device, 25, 100)
-    chain = _chain_setup(M, N, K, _chain_weights(N, K, (packed, scale, gs), dtype, device), dtype, device)
-    return _bench_case(x, packed, scale, gs, ref, path, config, scale_mode, dense_ms, stream_ms, 25, 100, chain)
+    chain = _chain_setup(M, N, K, _chain_weights(N, K, (packed, scale, gs), dtype, device), dtype, device, pdl)
+    return _bench_case(x, packed, scale, gs, ref, path, config, scale_mode, dense_ms, stream_ms, 25, 100, chain, pdl)
 
 
 def _stream_ms(M: int, N: int, K: int, act_bytes: int, device: str, warmup: int, rep: int) -> float:

@@ -229,6 +229,9 @@ class Nvfp4Linear(nn.Module):
     # alpha (``w4a16_gemm(gs_runs=)``), instead of an fp32 [M, N] epilogue pass. H200 12-01i
     # (test_gpu_w4a16_prefill_alpha_runs, the 31B gate|up at 8,192 tokens): 2.696 ms against 3.296 ms (-18 %).
     prefill_alpha = True
+    # The M = 1 gemv kernels launch with programmatic dependent launch (``Gemma4Model.set_pdl``, toggle ``pdl``):
+    # the tensor-core gemv asks L2 for its first weight steps while the kernel before it drains.
+    pdl = False
 
     def __init__(self, in_features: int, out_features: int, device: torch.device | str | None = None):
         super().__init__()
@@ -303,7 +306,7 @@ class Nvfp4Linear(nn.Module):
             runs = self._gs_runs() if self.prefill_alpha and path == "dequant_mm" else None
             counter = self._one_row_counter() if path == "gemv" and x2.shape[0] == 1 and x2.is_cuda else None
             y = w4a16_gemm(x2, self.weight, self.weight_scale, self.weight_scale_2, gs_runs=runs,
-                           split_counter=counter)  # fmt: skip
+                           split_counter=counter, pdl=self.pdl)  # fmt: skip
         elif self.backend == "fp4-native":
             y = self._forward_native(x2)
         else:
