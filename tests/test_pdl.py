@@ -179,6 +179,8 @@ def _launchers(dev: str):
     gu, dn = rnd(16, 2 * 64, 256, scale=0.05), rnd(16, 256, 64, scale=0.05)
     tw, ti = torch.rand(2, 8, device=dev, generator=g), torch.randint(0, 16, (2, 8), device=dev, generator=g)
     xm = rnd(2, 256)
+    q4 = [w4a16_gemm.quantize_nvfp4(rnd(n, k, scale=0.02, dtype=torch.float32)) for n, k in ((8192, 2048), (5376, 2816))]
+    counter = w4a16_gemm.new_split_counter(8192, dev)
 
     def qkv_cache(p):
         cache.zero_()
@@ -198,6 +200,9 @@ def _launchers(dev: str):
             qd, pcache, ind, ptr, lens, window=64, num_splits=4, pdl=p)),  # fmt: skip
         ("moe_routing", lambda p: moe.moe_routing(logits, 8, scale, pdl=p)),
         ("fused_moe/gather", lambda p: moe.fused_moe(xm, gu, dn, tw, ti, path="gather", pdl=p)),
+        ("w4a16_gemm/tc", lambda p: w4a16_gemm.w4a16_gemm(qkv[:1, :4096], *q4[0][:2], q4[0][2], config=w4a16_gemm.GEMV_TC_CONFIG, split_counter=counter, pdl=p)),  # fmt: skip
+        ("w4a16_gemm/wide", lambda p: w4a16_gemm.w4a16_gemm(x, *q4[1][:2], q4[1][2], config=w4a16_gemm.GEMV_WIDE_DEEP_CONFIG, pdl=p)),  # fmt: skip
+        ("stream_fold", lambda p: stream.stream_fold(qkv.view(torch.int32).flatten(), pdl=p)),
     ]
 
 
@@ -252,17 +257,24 @@ def _gpu_prompts(n: int, seed: int, vocab: int):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("preset", ["tiny", "31b", "26b-a4b"])
+@pytest.mark.parametrize("preset", ["tiny", "31b", "26b-a4b", "31b-nvfp4"])
 def test_gpu_engine_tokens_identical_with_pdl(preset):
     """Real widths with 2 layers (tiny: its own), FlashInfer + CUDA graphs + the fused path, decode_gemv=triton
     (every batch-1 linear a PDL launch), the Triton decode (max_batch_size 8), staggered lengths (mixed steps,
-    then batch-1 tails): pdl on gives the same tokens as off, and so does switching it on a live engine."""
+    then batch-1 tails): pdl on gives the same tokens as off, and so does switching it on a live engine.
+    31b-nvfp4: the NVFP4 weights, whose batch-1 products are the W4A16 tensor-core gemv (PDL with its L2
+    prefetch)."""
     if not pdl.pdl_available(torch.device("cuda")):
         pytest.skip("PDL needs sm_90+")
-    cfg = get_preset(preset) if preset == "tiny" else get_preset(preset, num_layers=2)
-    if preset == "tiny":  # the real head dims (cached FlashInfer modules)
+    name = preset.removesuffix("-nvfp4")
+    cfg = get_preset(name) if name == "tiny" else get_preset(name, num_layers=2)
+    if name == "tiny":  # the real head dims (cached FlashInfer modules)
         cfg = cfg.replace(name="tiny-fi", head_dim=256, global_head_dim=512, sliding_window=16)
     model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
+    if preset.endswith("-nvfp4"):
+        from perfkit.runtime.quant import quantize_model_
+
+        quantize_model_(model, "nvfp4")
     reqs = _gpu_prompts(12, seed=23, vocab=cfg.vocab_size)
     kw = dict(attention="flashinfer", cuda_graphs=True, page_size=16, max_batch_size=8, max_num_tokens=512,
               num_kv_pages=2000, max_model_len=1024, mask="triton", fused_kernels=True, decode_gemv="triton")  # fmt: skip
