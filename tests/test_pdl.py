@@ -179,7 +179,7 @@ def _launchers(dev: str):
     gu, dn = rnd(16, 2 * 64, 256, scale=0.05), rnd(16, 256, 64, scale=0.05)
     tw, ti = torch.rand(2, 8, device=dev, generator=g), torch.randint(0, 16, (2, 8), device=dev, generator=g)
     xm = rnd(2, 256)
-    q4 = [w4a16_gemm.quantize_nvfp4(rnd(n, k, scale=0.02, dtype=torch.float32)) for n, k in ((8192, 2048), (5376, 2816))]
+    q4 = [w4a16_gemm.quantize_nvfp4(rnd(n, k, scale=0.02, dtype=torch.float32)) for n, k in ((8192, 4096), (5376, 2816))]
     counter = w4a16_gemm.new_split_counter(8192, dev)
 
     def qkv_cache(p):

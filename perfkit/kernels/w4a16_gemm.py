@@ -608,22 +608,6 @@ def _tc_x_tile(x_ptr, k0, K, BK: tl.constexpr):
 
 
 @triton.jit
-def _l2_prefetch(ptrs):
-    """Ask L2 for the lines holding ``ptrs`` without waiting (``prefetch.global.L2``; its dummy result unused)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)  # fmt: skip
-
-
-@triton.jit
-def _tc_prefetch(w_ptr, s_ptr, rr, stride_wn, stride_sn, k_lo, k_hi, BK: tl.constexpr, STEPS: tl.constexpr):
-    """The first STEPS steps of this program's words and scales into L2 (one prefetch per row and step each: a
-    256-wide step of a row is one 128-byte line of words; repeats within a scale line are harmless)."""
-    k = tl.minimum(k_lo + BK * tl.arange(0, STEPS), k_hi - 1)  # [STEPS], clamped into this split
-    _l2_prefetch(w_ptr + rr[:, None] * stride_wn + (k // 8)[None, :])
-    _l2_prefetch(s_ptr + rr[:, None] * stride_sn + (k // 16)[None, :])
-
-
-@triton.jit
 def _w4a16_gemv_tc_kernel(
     x_ptr,  # [1, K] bf16
     w_ptr,  # [N, K/8] int32 packed weight
@@ -645,24 +629,20 @@ def _w4a16_gemv_tc_kernel(
     FUSED: tl.constexpr,  # SPLIT > 1: the split of a row block that counts last sums the partials
     INTERP: tl.constexpr,
     PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
-    PREFETCH: tl.constexpr = 0,  # with PDL: steps of weight asked into L2 before the wait (a power of two; 0: none)
 ):
     """The M = 1 gemv on the tensor cores (``W4A16Config.tc``): rows [pid * BN, + BN) over K in [pid_k * k_split,
     + k_split), weights on the MMA's M side and x as its N side. Each step's A operand comes straight from the
     words a thread loads (``_tc_tile``: the K order is permuted to the MMA fragment's, x gathered in the same
     order), so the multiply-add costs nothing per element; what is left is ~2.5 instructions per element of
     decode and block scale (3.7 per element in the loop against the wide CUDA-core gemv's 5.8, sm_90 compile).
-    With PDL the program asks L2 for its first PREFETCH steps of weight (constant data) before it waits for its
-    predecessor: those DRAM reads overlap the previous kernel's tail, and the pipelined loads after the wait hit
-    L2. Everything that reads x or writes (the output, the partials, the count) comes after the wait."""
+    With PDL the wait is at the top: asking L2 for the first 2-8 steps of weight before it made the chained launch
+    no faster or slower (H200 12-15, ``h200-runs/2026-12-15/pdl_probe.py``)."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     k_lo = tl.multiple_of(tl.program_id(1) * k_split, BK)
     k_hi = tl.minimum(k_lo + k_split, K)
     rows = pid * BN + tl.arange(0, BN)
     rr = tl.minimum(rows, N - 1).to(tl.int64)
-    if PDL and PREFETCH > 0:
-        _tc_prefetch(w_ptr, s_ptr, rr, stride_wn, stride_sn, k_lo, k_hi, BK, PREFETCH)
-    pdl_enter(PDL)
     col = tl.arange(0, 16)
     acc = tl.zeros((BN, 16), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
@@ -985,8 +965,6 @@ GEMV_TC_MIN_STEPS_PER_SPLIT = 4
 GEMV_TC_FILL_SLACK = 0.15
 GEMV_TC_MIN_ELEMENTS = 16 * 1024 * 1024
 GEMV_TC_MIN_K = 4096
-# Launched with PDL (``w4a16_gemm(pdl=True)``): steps of weight each program asks into L2 before its wait.
-GEMV_TC_PDL_PREFETCH = 4
 DOT_TINY_CONFIG = W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 # M 17-64: the swapped tile (weight rows on the wgmma's M side) with the scales a step ahead. H200 12-01i
 # (docs/h200-runs/2026-12-01i/1-w4a16_dot.jsonl, M 32 and 64 x four 31B shapes): geomean 1.055x the per-shape
@@ -1277,8 +1255,7 @@ def _launch_gemv_tc(
     pdl: bool = False,
 ) -> torch.Tensor:
     """The tensor-core gemv; with ``counter`` (int32, zeros, one per row block) the splits are summed in the same
-    launch, else by ``_finish_split`` after it (a plain launch). pdl: launched with PDL, GEMV_TC_PDL_PREFETCH
-    steps of each program's weight asked into L2 before its wait."""
+    launch, else by ``_finish_split`` after it (a plain launch). pdl: launched with PDL."""
     K = x.shape[1]
     N = words.shape[0]
     split, k_split = tc_split(N, K, cfg, sm_count(x.device))
@@ -1292,7 +1269,7 @@ def _launch_gemv_tc(
         x, words, scales, gs, out, part, counter if fused else words, N, K, k_split, words.stride(0),
         scales.stride(0), gs_stride, BN=cfg.block_n, BK=cfg.block_k, SPLIT=split, EVEN_K=K % cfg.block_k == 0,
         FUSED=fused, INTERP=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        PREFETCH=GEMV_TC_PDL_PREFETCH if pdl else 0, **pdl_launch(pdl),
+        **pdl_launch(pdl),
     )  # fmt: skip
     return out if split == 1 or fused else _finish_split(part, out)
 

@@ -229,8 +229,7 @@ class Nvfp4Linear(nn.Module):
     # alpha (``w4a16_gemm(gs_runs=)``), instead of an fp32 [M, N] epilogue pass. H200 12-01i
     # (test_gpu_w4a16_prefill_alpha_runs, the 31B gate|up at 8,192 tokens): 2.696 ms against 3.296 ms (-18 %).
     prefill_alpha = True
-    # The M = 1 gemv kernels launch with programmatic dependent launch (``Gemma4Model.set_pdl``, toggle ``pdl``):
-    # the tensor-core gemv asks L2 for its first weight steps while the kernel before it drains.
+    # The M = 1 gemv kernels launch with programmatic dependent launch (``Gemma4Model.set_pdl``, toggle ``pdl``).
     pdl = False
 
     def __init__(self, in_features: int, out_features: int, device: torch.device | str | None = None):

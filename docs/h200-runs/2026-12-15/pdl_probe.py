@@ -2,7 +2,8 @@
 distinct weights), against the load-only chain launched the same way.
 
 Arms per shape: plain launches (the 12-14 default); PDL with 0 / 2 / 4 / 8 steps of each program's weight asked
-into L2 before its wait (``GEMV_TC_PDL_PREFETCH``); the load-only chain plain and with PDL (its reads after the
+into L2 before its wait (``GEMV_TC_PDL_PREFETCH`` of commit 6652313, run in call 1; the prefetch was then removed,
+and at later commits only the PDL arm without it runs); the load-only chain plain and with PDL (its reads after the
 wait). Then the engine's pattern, an rmsnorm before each gemv ([rmsnorm, gemv] links, both PDL or both plain).
 Every arm's output is checked equal to the plain launch's (bit for bit: same kernel, same split order).
 
@@ -40,20 +41,22 @@ def main() -> None:
         row["stream_us"] = round(stream_chain_us(nbytes, "cuda")["stream_chain_us"], 2)
         row["stream_pdl_us"] = round(stream_chain_us(nbytes, "cuda", pdl=True)["stream_chain_us"], 2)
 
-        def gemv(w, pdl, xin=x):
+        def gemv(w, pdl, xin=x, counters=counters):
             return W.w4a16_gemm(xin, *w, split_counter=counters[w[0].data_ptr()], pdl=pdl)
 
         ref = gemv(weights[0], False)
         row["plain_us"] = round(graph_sequence_us(lambda w: gemv(w, False), weights, CHAIN_CALLS, CHAIN_REPLAYS), 2)
-        keep = W.GEMV_TC_PDL_PREFETCH
-        for pf in args.prefetch:
+        keep = getattr(W, "GEMV_TC_PDL_PREFETCH", 0)
+        for pf in args.prefetch if hasattr(W, "GEMV_TC_PDL_PREFETCH") else [0]:
             W.GEMV_TC_PDL_PREFETCH = pf
             row[f"pdl_pf{pf}_us"] = round(graph_sequence_us(lambda w: gemv(w, True), weights, CHAIN_CALLS, CHAIN_REPLAYS), 2)
             row[f"pdl_pf{pf}_equal"] = bool(torch.equal(gemv(weights[0], True), ref))
-        W.GEMV_TC_PDL_PREFETCH = keep
+        if hasattr(W, "GEMV_TC_PDL_PREFETCH"):
+            W.GEMV_TC_PDL_PREFETCH = keep
         for pdl in (False, True):
             row[f"norm_link_{'pdl' if pdl else 'plain'}_us"] = round(graph_sequence_us(
-                lambda w, pdl=pdl: gemv(w, pdl, rmsnorm(x, nw, 1e-6, pdl=pdl)), weights, CHAIN_CALLS, CHAIN_REPLAYS), 2)
+                lambda w, pdl=pdl, x=x, nw=nw: gemv(w, pdl, rmsnorm(x, nw, 1e-6, pdl=pdl)), weights, CHAIN_CALLS,
+                CHAIN_REPLAYS), 2)
         row["counts_zero"] = all(int(c.abs().sum()) == 0 for c in counters.values())
         row["pct_plain"] = round(100 * row["stream_us"] / row["plain_us"], 1)
         row[f"pct_pdl_pf{keep}"] = round(100 * row["stream_us"] / row[f"pdl_pf{keep}_us"], 1)
