@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 from perfkit.config import Toggles  # noqa: E402
 from perfkit.errors import PerfkitError  # noqa: E402
 from perfkit.kernels import (  # noqa: E402
+    fp8_gemv,
     gelu_mul,
     gemv,
     moe,
@@ -39,7 +40,7 @@ from perfkit.runtime.model_config import get_preset  # noqa: E402
 from perfkit.runtime.weights import build_model  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-KERNEL_MODULES = (gelu_mul, gemv, moe, moe_ffn, paged_decode, qk_norm_rope, rmsnorm, stream, w4a16_gemm)
+KERNEL_MODULES = (fp8_gemv, gelu_mul, gemv, moe, moe_ffn, paged_decode, qk_norm_rope, rmsnorm, stream, w4a16_gemm)
 
 
 # ---- launch arguments and availability ----------------------------------------------------------------------
@@ -77,7 +78,7 @@ def test_every_pdl_kernel_waits_before_any_store_or_return():
     assert {"_gemv_kernel", "_rmsnorm_kernel", "_sandwich_kernel", "_gelu_mul_kernel", "_qk_norm_rope_kernel",
             "_qkv_norm_rope_kernel", "_paged_decode_kernel", "_merge_splits_kernel", "_moe_routing_kernel",
             "_moe_gather_gate_up_kernel", "_moe_gather_down_kernel", "_moe_ffn_gate_up_kernel",
-            "_moe_ffn_down_kernel", "_w4a16_gemv_tc_kernel", "_w4a16_gemv_wide_kernel", "_stream_kernel"} <= names  # fmt: skip
+            "_moe_ffn_down_kernel", "_w4a16_gemv_tc_kernel", "_w4a16_gemv_wide_kernel", "_stream_kernel", "_fp8_gemv_kernel"} <= names  # fmt: skip
     for name, src in kernels:
         body = ast.parse(src).body[0].body
         enters = [i for i, st in enumerate(body) if "pdl_enter(PDL)" in ast.unparse(st) and isinstance(st, ast.Expr)]
@@ -109,21 +110,24 @@ def test_set_pdl_reaches_every_module_that_launches():
     assert not any(m.pdl for m in flagged)
 
 
-def test_set_pdl_reaches_the_nvfp4_linears(monkeypatch):
-    """The NVFP4 linears take the model's flag and pass it to ``w4a16_gemm`` (its M = 1 gemv kernels launch with
-    PDL; the CPU run here only checks the plumbing)."""
+@pytest.mark.parametrize("scheme", ["nvfp4", "fp8"])
+def test_set_pdl_reaches_the_quantized_linears(monkeypatch, scheme):
+    """The NVFP4 / FP8 linears take the model's flag and pass it to their decode kernel (``w4a16_gemm``'s M = 1
+    gemv kernels, ``fp8_gemv``; the CPU run here only checks the plumbing)."""
     from perfkit.runtime import quant
 
+    cls, fn, backend = {"nvfp4": (quant.Nvfp4Linear, "w4a16_gemm", "w4a16-triton"),
+                        "fp8": (quant.Fp8Linear, "fp8_gemv", "fp8-scaled-mm")}[scheme]  # fmt: skip
     model = build_model(get_preset("tiny"), "cpu", torch.float32, seed=0)
-    quant.quantize_model_(model, "nvfp4")
-    lins = [m for m in model.modules() if isinstance(m, quant.Nvfp4Linear)]
+    quant.quantize_model_(model, scheme)
+    lins = [m for m in model.modules() if isinstance(m, cls)]
     assert lins and not any(m.pdl for m in lins)
     model.set_pdl(True)
     assert all(m.pdl is True for m in lins)
     seen = []
-    monkeypatch.setattr(quant, "w4a16_gemm", lambda x, *a, **kw: seen.append(kw["pdl"]) or x @ lin.dequantized_weight().T)
+    monkeypatch.setattr(quant, fn, lambda x, *a, **kw: seen.append(kw["pdl"]) or x @ lin.dequantized_weight().T)
     lin = lins[0]
-    lin.backend = "w4a16-triton"
+    lin.backend = backend
     lin(torch.randn(1, lin.in_features))
     assert seen == [True]
 
@@ -203,6 +207,7 @@ def _launchers(dev: str):
         ("w4a16_gemm/tc", lambda p: w4a16_gemm.w4a16_gemm(qkv[:1, :4096], *q4[0][:2], q4[0][2], config=w4a16_gemm.GEMV_TC_CONFIG, split_counter=counter, pdl=p)),  # fmt: skip
         ("w4a16_gemm/wide", lambda p: w4a16_gemm.w4a16_gemm(x, *q4[1][:2], q4[1][2], config=w4a16_gemm.GEMV_WIDE_DEEP_CONFIG, pdl=p)),  # fmt: skip
         ("stream_fold", lambda p: stream.stream_fold(qkv.view(torch.int32).flatten(), pdl=p)),
+        ("fp8_gemv", lambda p: fp8_gemv.fp8_gemv(x, w.to(torch.float8_e4m3fn), scale[:1].expand(4224).contiguous(), pdl=p)),  # fmt: skip
     ]
 
 
@@ -257,24 +262,24 @@ def _gpu_prompts(n: int, seed: int, vocab: int):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("preset", ["tiny", "31b", "26b-a4b", "31b-nvfp4"])
+@pytest.mark.parametrize("preset", ["tiny", "31b", "26b-a4b", "31b-nvfp4", "31b-fp8"])
 def test_gpu_engine_tokens_identical_with_pdl(preset):
     """Real widths with 2 layers (tiny: its own), FlashInfer + CUDA graphs + the fused path, decode_gemv=triton
     (every batch-1 linear a PDL launch), the Triton decode (max_batch_size 8), staggered lengths (mixed steps,
     then batch-1 tails): pdl on gives the same tokens as off, and so does switching it on a live engine.
-    31b-nvfp4: the NVFP4 weights, whose batch-1 products are the W4A16 tensor-core gemv (PDL with its L2
-    prefetch)."""
+    31b-nvfp4 / 31b-fp8: quantised weights, whose batch-1 products are the W4A16 tensor-core gemv / the FP8 GEMV
+    (PDL launches too)."""
     if not pdl.pdl_available(torch.device("cuda")):
         pytest.skip("PDL needs sm_90+")
-    name = preset.removesuffix("-nvfp4")
+    name, scheme = {"31b-nvfp4": ("31b", "nvfp4"), "31b-fp8": ("31b", "fp8")}.get(preset, (preset, None))
     cfg = get_preset(name) if name == "tiny" else get_preset(name, num_layers=2)
     if name == "tiny":  # the real head dims (cached FlashInfer modules)
         cfg = cfg.replace(name="tiny-fi", head_dim=256, global_head_dim=512, sliding_window=16)
     model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
-    if preset.endswith("-nvfp4"):
+    if scheme:
         from perfkit.runtime.quant import quantize_model_
 
-        quantize_model_(model, "nvfp4")
+        quantize_model_(model, scheme)
     reqs = _gpu_prompts(12, seed=23, vocab=cfg.vocab_size)
     kw = dict(attention="flashinfer", cuda_graphs=True, page_size=16, max_batch_size=8, max_num_tokens=512,
               num_kv_pages=2000, max_model_len=1024, mask="triton", fused_kernels=True, decode_gemv="triton")  # fmt: skip

@@ -70,6 +70,7 @@ import triton.language as tl
 
 from perfkit.kernels.fp8 import FP8_DTYPE, dequantize_fp8_rowwise, fp8_linear, fp8_supported, quantize_fp8_rowwise
 from perfkit.kernels.launch import capability, interpreting, sm_count
+from perfkit.kernels.pdl import pdl_enter, pdl_launch
 from perfkit.kernels.stream import chain_args, chain_columns, stream_chain_us, stream_read_ms
 from perfkit.kernels.timing import graph_ms
 from perfkit.kernels.w4a16_gemm import HBM_BYTES_PER_S, _finish_split
@@ -178,6 +179,7 @@ def _fp8_gemv_kernel(
     BLOCK_K: tl.constexpr,  # >= GROUP; a multiple of 32 * GROUP * num_warps keeps x in the weight tile's layout
     GROUP: tl.constexpr,  # K elements per thread and row per step: 8 (one 8-byte load) or 16 (one 16-byte load)
     ASM: tl.constexpr,  # inline-PTX e4m3 -> fp32 (sm_89+; not the interpreter)
+    PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py): the first weight tile loads first
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -207,6 +209,7 @@ def _fp8_gemv_kernel(
     # full steps: unmasked vector loads; the next step's weight tile is loaded before this step's math (the last
     # step's "next" is clamped onto itself: an L1 / L2 re-read instead of a mask)
     wd = tl.load(w_ptrs, mask=(4 * kw < k_main - k_lo)[None, None, :, :], other=0)  # all-true, or no full step
+    pdl_enter(PDL)  # x is the predecessor's output; the weight is constant, so its first tile is already in flight
     for k0 in range(k_lo, k_main, BLOCK_K):
         x = tl.load(x_ptrs + (k0 - k_lo))
         k_next = tl.minimum(k0 + BLOCK_K, k_main - BLOCK_K)
@@ -360,13 +363,18 @@ def _words(weight: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_gemv(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, config: Fp8GemvConfig | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    config: Fp8GemvConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``x [M, K] @ dequant(weight [N, K])^T -> [M, N]`` in x's dtype, weight-only (x not quantised; format,
     tiling and numerics: module docstring). x: bf16 / fp16 / fp32, rows may be strided (a copy is made only if
     its K stride is not 1); weight float8_e4m3fn [N, K] with unit stride along K; weight_scale fp32 [N].
     ``config``: the tile (default ``default_config()``). No host sync: CUDA-graph capturable. CUDA: sm_89+ (Triton's
-    float8e4nv conversions; the FP8 linears need it anyway)."""
+    float8e4nv conversions; the FP8 linears need it anyway). pdl: launch with programmatic dependent launch
+    (perfkit/kernels/pdl.py; sm_90+ only, the caller checks); a split-K sum after it launches plainly."""
     M, N, K = _check(x, weight, weight_scale)
     if x.device.type == "cuda" and not interpreting() and not _has_fp8_cvt(x.device):
         raise RuntimeError(
@@ -393,7 +401,7 @@ def fp8_gemv(
         M, N, K,
         x.stride(0), words.stride(0), 0 if split == 1 else target.stride(0), N, k_per_split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=min(cfg.group, bk), ASM=_asm(x.device), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     return out if split == 1 else _finish_split(target, out)  # the W4A16 GEMM's fixed-order reduce
 

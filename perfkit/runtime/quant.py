@@ -180,6 +180,8 @@ class Fp8Linear(nn.Module):
     ``torch._scaled_mm``), or the torch weight-only reference with ``quantize_input=False``. Backend ``fp8-ref``:
     the torch reference at every M."""
 
+    pdl = False  # the GEMV launches with programmatic dependent launch (``Gemma4Model.set_pdl``, toggle ``pdl``)
+
     def __init__(self, in_features: int, out_features: int, device: torch.device | str | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -211,7 +213,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x2 = _flat(x)
         if self.backend == "fp8-scaled-mm" and x2.shape[0] <= FP8_GEMV_MAX_M:  # decode rows: weight-only GEMV
-            y = fp8_gemv(x2, self.weight, self.weight_scale)
+            y = fp8_gemv(x2, self.weight, self.weight_scale, pdl=self.pdl)
         elif self.backend == "fp8-scaled-mm" and self.quantize_input:
             y = fp8_linear(x2, self.weight, self.weight_scale)
         else:
