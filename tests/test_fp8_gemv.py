@@ -339,8 +339,9 @@ def test_fp8_linear_routes_decode_rows_to_the_gemv(monkeypatch):
     torch reference."""
     calls: list[tuple[str, tuple[int, ...]]] = []
 
-    def gemv(x, w, s):
+    def gemv(x, w, s, pdl):
         calls.append(("gemv", tuple(x.shape)))
+        assert pdl is False  # the model's pdl flag (set_pdl), off here
         return fp8_gemv(x, w, s)
 
     def w8a8(x, w, s):
