@@ -410,7 +410,7 @@ def test_gpu_fp8_linear_gemv_and_scaled_mm(monkeypatch):
     holding the dequantised weight (gemv: bf16 rounding only; W8A8 adds ~2.5 % per-token activation rounding)."""
     calls: list[str] = []
     real_gemv, real_mm = quant.fp8_gemv, quant.fp8_linear
-    monkeypatch.setattr(quant, "fp8_gemv", lambda *a: (calls.append("gemv"), real_gemv(*a))[1])
+    monkeypatch.setattr(quant, "fp8_gemv", lambda *a, **kw: (calls.append("gemv"), real_gemv(*a, **kw))[1])
     monkeypatch.setattr(quant, "fp8_linear", lambda *a: (calls.append("scaled_mm"), real_mm(*a))[1])
     lin = torch.nn.Linear(5376, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
     torch.nn.init.normal_(lin.weight, std=0.02)
