@@ -106,8 +106,9 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
     "pdl": (
         ("auto", "on", "off"),
         "auto",
-        "programmatic dependent launch (sm_90+): the fused path's Triton kernels and the Triton decode attention "
-        "launch so that each may start while the kernel before it drains, waiting on the device for its inputs "
+        "programmatic dependent launch (sm_90+): the fused path's Triton kernels, the Triton decode attention and "
+        "the quantised linears' batch-1 kernels (W4A16 gemv, FP8 GEMV) launch so that each may start while the "
+        "kernel before it drains, waiting on the device for its inputs "
         "(on), vs plain launches (off); the same kernels and arithmetic, so the tokens are identical; auto = on "
         "where the GPU supports it; cuBLAS, FlashInfer and torch kernels always launch plainly",
     ),

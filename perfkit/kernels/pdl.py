@@ -9,7 +9,9 @@ drains: its CTAs are resident and waiting when the predecessor ends. On the H200
 486.8 -> 466.4 (cuBLAS 205.2 / 303.1 / 491.7). In the engine (``configs/ab_pdl.yaml``, 12-06 call 4, TPOT p50):
 26B-A4B c1 3.347 -> 3.133 ms, c4 -1.5 %, c8 -1.7 %; 31B c1 16.51 -> 16.37, c4 -1.0 %, c8 -0.6 % (31B c1 +0.36 % in
 call 2, where ``decode_gemv=auto``'s near-ties between cuBLAS and the gemv fell the other way). Hence the toggle's
-default, auto: on wherever it can run.
+default, auto: on wherever it can run. Since 12-15 the quantised linears' batch-1 kernels take part too (the W4A16
+tensor-core and wide gemvs, the FP8 GEMV): 31B NVFP4 c1 9.68 -> 9.40 ms, 31B FP8 c1 12.34 -> 12.13 ms
+(``docs/h200-runs/2026-12-15/``).
 
 How a kernel takes part: it gets a ``PDL`` constexpr and calls :func:`pdl_enter` with it before its first read of
 anything a predecessor wrote (activations, routing, page tables, the KV cache) and before its first write of

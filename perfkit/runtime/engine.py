@@ -14,8 +14,8 @@ Toggles (settable on a live engine with `set_toggle`; both arms of every toggle 
   cuda_graphs=on|off (decode graphs; only with a backend that supports them, i.e. flashinfer)   overlap=on|off
   decode_attention=auto|flashinfer|triton (the decode rows' kernel under attention=flashinfer; rounding-level)
   decode_gemv=auto|cublas|triton (batch-1 decode's linears on the fused path: cuBLAS or perfkit's gemv;
-  rounding-level)   pdl=on|off (the fused path's and the Triton decode's kernels launch with programmatic
-  dependent launch, sm_90+; the same kernels and arithmetic, so bit for bit)   decode_fusion=on|off (fewer
+  rounding-level)   pdl=on|off (the fused path's, the Triton decode's and the quantised linears' batch-1 kernels
+  launch with programmatic dependent launch, sm_90+; the same kernels and arithmetic, so bit for bit)   decode_fusion=on|off (fewer
   launches per batch-1 decode layer: GeGLU inside the down gemv, the MoE router beside the dense gate_up in one
   gemv launch; bit for bit)   decode_routing=separate|fused (with decode_fusion: the MoE routing as one more
   program of the dense down gemv's launch; the routing weights to fp32 rounding)
