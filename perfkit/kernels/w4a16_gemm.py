@@ -635,8 +635,8 @@ def _w4a16_gemv_tc_kernel(
     words a thread loads (``_tc_tile``: the K order is permuted to the MMA fragment's, x gathered in the same
     order), so the multiply-add costs nothing per element; what is left is ~2.5 instructions per element of
     decode and block scale (3.7 per element in the loop against the wide CUDA-core gemv's 5.8, sm_90 compile).
-    With PDL the wait is at the top: asking L2 for the first 2-8 steps of weight before it made the chained launch
-    no faster or slower (H200 12-15, ``h200-runs/2026-12-15/pdl_probe.py``)."""
+    With PDL the wait is at the top: asking L2 for the program's first weight steps before it tied (2 steps) or
+    made the chained launch slower (4-8 steps; H200 12-15, ``h200-runs/2026-12-15/pdl_probe.py``)."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     k_lo = tl.multiple_of(tl.program_id(1) * k_split, BK)
