@@ -19,6 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from perfkit.kernels.launch import capability
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _MIN_SCALE = 1e-12
@@ -27,7 +29,7 @@ _MIN_SCALE = 1e-12
 def fp8_supported(device: torch.device | str) -> bool:
     """torch._scaled_mm with row-wise scales: CUDA sm_89+ (Ada, Hopper, Blackwell)."""
     device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return capability(device) >= (8, 9)  # (0, 0) off CUDA
 
 
 def fp8_per_tensor_scale(t: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from perfkit.kernels.launch import interpreting
+from perfkit.kernels.launch import capability, interpreting
 
 
 @triton.jit
@@ -54,7 +54,7 @@ def pdl_available(device: torch.device) -> bool:
     """PDL can run here: a CUDA device of compute capability 9.0 or newer, outside the CPU interpreter."""
     if device.type != "cuda" or interpreting() or not torch.cuda.is_available():
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return capability(device) >= (9, 0)
 
 
 def pdl_launch(pdl: bool) -> dict:

@@ -54,7 +54,7 @@ from perfkit.kernels.fp8 import (
     quantize_fp8_rowwise,
 )
 from perfkit.kernels.fp8_gemv import FP8_GEMV_MAX_M, fp8_gemv
-from perfkit.kernels.launch import interpreting
+from perfkit.kernels.launch import capability, interpreting
 from perfkit.kernels.moe import QuantExpertWeights, fused_moe_quantized, gather_w4a16_fits, quantize_experts
 from perfkit.kernels.w4a16_gemm import (
     dequantize_nvfp4,
@@ -89,7 +89,7 @@ def nvfp4_backend(device: torch.device | str) -> str:
     CPU under the Triton interpreter; ``w4a16-ref`` on CPU otherwise."""
     device = torch.device(device)
     if device.type == "cuda":
-        if torch.cuda.get_device_capability(device)[0] >= 10 and _flashinfer_fp4() is not None:
+        if capability(device) >= (10, 0) and _flashinfer_fp4() is not None:
             return "fp4-native"
         return "w4a16-triton"
     return "w4a16-triton" if interpreting() else "w4a16-ref"
