@@ -463,15 +463,14 @@ sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "gs_ptr": "*fp32", "ou
 rows = []
 for split, even, fused, pdl in ((1, True, False, 0), (6, True, True, 0), (3, False, True, 0), (2, True, False, 0),
                                 (6, True, True, 1)):
-    consts = {"BN": 64, "BK": 256, "SPLIT": split, "EVEN_K": even, "FUSED": fused, "INTERP": False, "PDL": pdl,
-              "COLS": 1}
+    consts = {"BN": 64, "BK": 256, "SPLIT": split, "EVEN_K": even, "FUSED": fused, "INTERP": False, "PDL": pdl}
     try:
         names = list(sig)  # the launch's specialisation at the 31B shapes: pointers, sizes and strides % 16 == 0
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n != "gs_stride"}
         k = triton.compile(ASTSource(W._w4a16_gemv_tc_kernel, sig | dict.fromkeys(consts, "constexpr"), consts, attrs),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
         ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
-        a_in_regs = "warp_group_dot" in ttgir and "dot_op<{opIdx = 0" in ttgir
+        a_in_regs = "warp_group_dot" in ttgir and "dot_op<{opIdx = 0" in ttgir and "mul.rn.bf16x2" in ptx
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(k.asm["cubin"])
             f.flush()

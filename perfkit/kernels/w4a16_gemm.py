@@ -561,123 +561,6 @@ def _tc_pair_asm(w, sf, SH: tl.constexpr):
 
 
 @triton.jit
-def _tc_code_asm(w, SH: tl.constexpr):
-    """GPU: ``_tc_pair_bits`` alone as the bf16 pair [..., 2] (``_tc_pair_asm`` without the scale: the
-    group-column form scales after the MMA)."""
-    ws = tl.join(w, w)
-    if SH == 12:
-        y = _tc_asm1(ws, "{ .reg .b32 s, m; shl.b32 s, $1, 12; shl.b32 m, $1, 6; and.b32 s, s, 0x80008000; "
-                         "and.b32 m, m, 0x01C001C0; or.b32 $0, s, m; }")  # fmt: skip
-    elif SH == 8:
-        y = _tc_asm1(ws, "{ .reg .b32 s, m; shl.b32 s, $1, 8; shl.b32 m, $1, 2; and.b32 s, s, 0x80008000; "
-                         "and.b32 m, m, 0x01C001C0; or.b32 $0, s, m; }")  # fmt: skip
-    elif SH == 4:
-        y = _tc_asm1(ws, "{ .reg .b32 s, m; shl.b32 s, $1, 4; shr.b32 m, $1, 2; and.b32 s, s, 0x80008000; "
-                         "and.b32 m, m, 0x01C001C0; or.b32 $0, s, m; }")  # fmt: skip
-    else:
-        y = _tc_asm1(ws, "{ .reg .b32 m, d; shr.b32 m, $1, 6; and.b32 d, $1, 0x80008000; "
-                         "and.b32 m, m, 0x01C001C0; or.b32 $0, d, m; }")  # fmt: skip
-    return y
-
-
-@triton.jit
-def _tc_asm1(ws, TEXT: tl.constexpr):
-    return tl.inline_asm_elementwise(TEXT, "=r,r,r", [ws], dtype=tl.bfloat16, is_pure=True, pack=2)
-
-
-@triton.jit
-def _tc_codes(w_ptr, rr, stride_wn, k0, K, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-              INTERP: tl.constexpr):  # fmt: skip
-    """``_tc_tile`` without the block scales: the codes of the step at k0 as ``e2m1 * 2^-126`` [BN, BK] in the
-    same permuted K order (bf16, the code 0.5 a bf16 subnormal; fp32 under the interpreter)."""
-    C: tl.constexpr = BK // 64
-    wofs = k0 // 8 + tl.arange(0, BK // 8)
-    wp = w_ptr + rr[:, None] * stride_wn + wofs[None, :]
-    if EVEN_K:
-        words = tl.load(wp)
-    else:
-        words = tl.load(wp, mask=wofs[None, :] < K // 8, other=0)
-    w = tl.reshape(words.to(tl.uint32, bitcast=True), (BN, C, 4, 2))
-    if INTERP:
-        one = tl.full((BN, C, 4, 1), 1.0, tl.float32)
-        v0 = _tc_pair_f32(w, one, 12)
-        v1 = _tc_pair_f32(w, one, 8)
-        v2 = _tc_pair_f32(w, one, 4)
-        v3 = _tc_pair_f32(w, one, 0)
-    else:
-        v0 = _tc_code_asm(w, 12)
-        v1 = _tc_code_asm(w, 8)
-        v2 = _tc_code_asm(w, 4)
-        v3 = _tc_code_asm(w, 0)
-    v = tl.join(tl.join(v0, v1), tl.join(v2, v3))  # [BN, C, t, w, p, j % 2, j // 2]
-    return tl.reshape(tl.permute(v, (0, 1, 3, 6, 5, 2, 4)), (BN, BK))
-
-
-@triton.jit
-def _tc_x_col(xs, g, C: tl.constexpr):
-    return tl.where(g == C, xs, 0.0)
-
-
-@triton.jit
-def _tc_x_cols4(xs, g, C: tl.constexpr, S: tl.constexpr):
-    """Columns C, C + S, C + 2 S, C + 3 S of ``_tc_x_cols`` as [BK, 2, 2] (joined: each thread keeps its rows)."""
-    return tl.join(tl.join(_tc_x_col(xs, g, C), _tc_x_col(xs, g, C + 2 * S)),
-                   tl.join(_tc_x_col(xs, g, C + S), _tc_x_col(xs, g, C + 3 * S)))  # fmt: skip
-
-
-@triton.jit
-def _tc_x_cols(x_ptr, k0, K, BK: tl.constexpr):
-    """x's elements of the step at k0 in ``_tc_codes``' K order, each in the column of its block-scale group
-    (``(physical k - k0) // 16``), zeros elsewhere and past K, times 2^64: the MMA's B operand [BK, 16], so column g
-    of the product is group g's unscaled sum (``e2m1 * x * 2^-62``). 2^64 keeps the code 0.5's products above the
-    fp32 subnormals for |x| >= 2^-61 and x finite in bf16 for |x| < 2^64. The 16 columns are built as 1-D selects
-    joined in-thread, so each thread stores whole rows (a 2-D select over a column index took a layout of one
-    element per thread: 2x the instructions, sm_90 compile)."""
-    k = tl.arange(0, BK)
-    b = (k // 16) % 4
-    rel = 64 * (k // 64) + 16 * ((k // 2) % 4) + 8 * (b // 2) + 2 * (b % 2) + (k // 8) % 2 + 4 * (k % 2)
-    xv = tl.load(x_ptr + k0 + rel, mask=k0 + rel < K, other=0.0)
-    xs = (xv.to(tl.float32) * 18446744073709551616.0).to(x_ptr.dtype.element_ty)  # 2^64, exact
-    g = rel // 16
-    t = tl.join(tl.join(_tc_x_cols4(xs, g, 0, 4), _tc_x_cols4(xs, g, 2, 4)),
-                tl.join(_tc_x_cols4(xs, g, 1, 4), _tc_x_cols4(xs, g, 3, 4)))  # fmt: skip
-    return tl.reshape(t, (BK, 16))
-
-
-@triton.jit
-def _tc_scale_mma(s_ptr, rr, stride_sn, k0, K, BK: tl.constexpr, EVEN_K: tl.constexpr, INTERP: tl.constexpr):
-    """The block scales of the step at k0 as fp32 [BN, 16] in the MMA accumulator's layout (column g: group
-    k0 / 16 + g; zeros past the step and past K), made by an MMA with the identity: the load then feeds a dot, so
-    the pipeliner stages it with the weights (cp.async, num_stages), and the product lands in the layout the
-    group sums are in (a plain load, converted through shared memory, stalled each step: +10 %, H200 12-16)."""
-    col = tl.arange(0, 16)
-    sofs = k0 // 16 + col
-    sp = s_ptr + rr[:, None] * stride_sn + sofs[None, :]
-    if EVEN_K and BK == 256:
-        sc = tl.load(sp)
-    else:
-        sc = tl.load(sp, mask=(col[None, :] < BK // 16) & (sofs[None, :] < K // 16), other=0)
-    eye = col[:, None] == col[None, :]
-    if INTERP:
-        return tl.dot(sc.to(tl.float8e4nv, bitcast=True).to(tl.float32), eye.to(tl.float32))
-    return tl.dot(sc.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16), eye.to(tl.bfloat16))
-
-
-@triton.jit
-def _tc_scale_cols(s_ptr, rr, stride_sn, k0, K, BK: tl.constexpr, NC: tl.constexpr, EVEN_K: tl.constexpr):
-    """The block scales of the step at k0 as fp32 [BN, NC] (column g: group k0 / 16 + g), zeros past the step and
-    past K."""
-    col = tl.arange(0, NC)
-    sofs = k0 // 16 + col
-    sp = s_ptr + rr[:, None] * stride_sn + sofs[None, :]
-    if EVEN_K and NC == BK // 16:
-        sc = tl.load(sp)
-    else:
-        sc = tl.load(sp, mask=(col[None, :] < BK // 16) & (sofs[None, :] < K // 16), other=0)
-    return sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def _tc_tile(w_ptr, s_ptr, rr, stride_wn, stride_sn, k0, K, BN: tl.constexpr, BK: tl.constexpr,
              EVEN_K: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
     """The step at k0 of rows ``rr`` as the MMA's A operand [BN, BK] in the permuted K order of
@@ -746,7 +629,6 @@ def _w4a16_gemv_tc_kernel(
     FUSED: tl.constexpr,  # SPLIT > 1: the split of a row block that counts last sums the partials
     INTERP: tl.constexpr,
     PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
-    COLS: tl.constexpr = 0,  # group columns: the block scales applied after the MMA (TC_GROUP_COLS)
 ):
     """The M = 1 gemv on the tensor cores (``W4A16Config.tc``): rows [pid * BN, + BN) over K in [pid_k * k_split,
     + k_split), weights on the MMA's M side and x as its N side. Each step's A operand comes straight from the
@@ -761,30 +643,16 @@ def _w4a16_gemv_tc_kernel(
     k_hi = tl.minimum(k_lo + k_split, K)
     rows = pid * BN + tl.arange(0, BN)
     rr = tl.minimum(rows, N - 1).to(tl.int64)
-    if COLS:
-        NC: tl.constexpr = 16
-        acc = tl.zeros((BN, NC), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BK):
-            a = _tc_codes(w_ptr, rr, stride_wn, k0, K, BN, BK, EVEN_K, INTERP)
-            xb = _tc_x_cols(x_ptr, k0, K, BK)
-            sf = _tc_scale_mma(s_ptr, rr, stride_sn, k0, K, BK, EVEN_K, INTERP)
-            if INTERP:
-                p = tl.dot(a, xb.to(tl.float32))
-            else:
-                p = tl.dot(a, xb)
-            acc += p * sf
-        y = tl.sum(acc, axis=1) * 4611686018427387904.0 * tl.load(gs_ptr + rr * gs_stride)  # * 2^62
-    else:
-        col = tl.arange(0, 16)
-        acc = tl.zeros((BN, 16), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BK):
-            a = _tc_tile(w_ptr, s_ptr, rr, stride_wn, stride_sn, k0, K, BN, BK, EVEN_K, INTERP)
-            xb = _tc_x_tile(x_ptr, k0, K, BK)
-            if INTERP:
-                acc = tl.dot(a, xb.to(tl.float32), acc)
-            else:
-                acc = tl.dot(a, xb, acc)
-        y = tl.sum(tl.where(col[None, :] == 0, acc, 0.0), axis=1) * 256.0 * tl.load(gs_ptr + rr * gs_stride)
+    col = tl.arange(0, 16)
+    acc = tl.zeros((BN, 16), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        a = _tc_tile(w_ptr, s_ptr, rr, stride_wn, stride_sn, k0, K, BN, BK, EVEN_K, INTERP)
+        xb = _tc_x_tile(x_ptr, k0, K, BK)
+        if INTERP:
+            acc = tl.dot(a, xb.to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, xb, acc)
+    y = tl.sum(tl.where(col[None, :] == 0, acc, 0.0), axis=1) * 256.0 * tl.load(gs_ptr + rr * gs_stride)
     if SPLIT == 1:
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
     else:
@@ -1097,7 +965,6 @@ GEMV_TC_MIN_STEPS_PER_SPLIT = 4
 GEMV_TC_FILL_SLACK = 0.15
 GEMV_TC_MIN_ELEMENTS = 16 * 1024 * 1024
 GEMV_TC_MIN_K = 4096
-TC_GROUP_COLS = True  # tc gemv: x in one MMA column per block-scale group, the scales applied after the MMA
 DOT_TINY_CONFIG = W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 # M 17-64: the swapped tile (weight rows on the wgmma's M side) with the scales a step ahead. H200 12-01i
 # (docs/h200-runs/2026-12-01i/1-w4a16_dot.jsonl, M 32 and 64 x four 31B shapes): geomean 1.055x the per-shape
@@ -1401,8 +1268,8 @@ def _launch_gemv_tc(
     _w4a16_gemv_tc_kernel[(blocks, split)](
         x, words, scales, gs, out, part, counter if fused else words, N, K, k_split, words.stride(0),
         scales.stride(0), gs_stride, BN=cfg.block_n, BK=cfg.block_k, SPLIT=split, EVEN_K=K % cfg.block_k == 0,
-        FUSED=fused, INTERP=interpreting(), COLS=int(TC_GROUP_COLS), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_launch(pdl),
+        FUSED=fused, INTERP=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_launch(pdl),
     )  # fmt: skip
     return out if split == 1 or fused else _finish_split(part, out)
 
