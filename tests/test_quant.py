@@ -463,7 +463,8 @@ sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "gs_ptr": "*fp32", "ou
 rows = []
 for split, even, fused, pdl in ((1, True, False, 0), (6, True, True, 0), (3, False, True, 0), (2, True, False, 0),
                                 (6, True, True, 1)):
-    consts = {"BN": 64, "BK": 256, "SPLIT": split, "EVEN_K": even, "FUSED": fused, "INTERP": False, "PDL": pdl}
+    consts = {"BN": 64, "BK": 256, "SPLIT": split, "EVEN_K": even, "FUSED": fused, "INTERP": False, "PDL": pdl,
+              "BAL": 1}
     try:
         names = list(sig)  # the launch's specialisation at the 31B shapes: pointers, sizes and strides % 16 == 0
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n != "gs_stride"}

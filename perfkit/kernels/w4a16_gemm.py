@@ -629,6 +629,7 @@ def _w4a16_gemv_tc_kernel(
     FUSED: tl.constexpr,  # SPLIT > 1: the split of a row block that counts last sums the partials
     INTERP: tl.constexpr,
     PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
+    BAL: tl.constexpr = 0,  # balanced splits (TC_BALANCED_SPLITS): k_split counts steps
 ):
     """The M = 1 gemv on the tensor cores (``W4A16Config.tc``): rows [pid * BN, + BN) over K in [pid_k * k_split,
     + k_split), weights on the MMA's M side and x as its N side. Each step's A operand comes straight from the
@@ -639,8 +640,12 @@ def _w4a16_gemv_tc_kernel(
     made the chained launch slower (4-8 steps; H200 12-15, ``h200-runs/2026-12-15/pdl_probe.py``)."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
-    k_lo = tl.multiple_of(tl.program_id(1) * k_split, BK)
-    k_hi = tl.minimum(k_lo + k_split, K)
+    if BAL:  # k_split is the number of steps: split i takes steps [i * steps // SPLIT, (i + 1) * steps // SPLIT)
+        k_lo = tl.multiple_of((tl.program_id(1) * k_split // SPLIT) * BK, BK)
+        k_hi = tl.minimum(((tl.program_id(1) + 1) * k_split // SPLIT) * BK, K)
+    else:
+        k_lo = tl.multiple_of(tl.program_id(1) * k_split, BK)
+        k_hi = tl.minimum(k_lo + k_split, K)
     rows = pid * BN + tl.arange(0, BN)
     rr = tl.minimum(rows, N - 1).to(tl.int64)
     col = tl.arange(0, 16)
@@ -965,6 +970,7 @@ GEMV_TC_MIN_STEPS_PER_SPLIT = 4
 GEMV_TC_FILL_SLACK = 0.15
 GEMV_TC_MIN_ELEMENTS = 16 * 1024 * 1024
 GEMV_TC_MIN_K = 4096
+TC_BALANCED_SPLITS = True  # tc gemv: split i of s takes steps [i * steps // s, (i + 1) * steps // s)
 DOT_TINY_CONFIG = W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 # M 17-64: the swapped tile (weight rows on the wgmma's M side) with the scales a step ahead. H200 12-01i
 # (docs/h200-runs/2026-12-01i/1-w4a16_dot.jsonl, M 32 and 64 x four 31B shapes): geomean 1.055x the per-shape
@@ -1215,7 +1221,7 @@ def _launch_gemv_wide(
     return out
 
 
-def tc_split(N: int, K: int, cfg: W4A16Config, sms: int) -> tuple[int, int]:
+def tc_split(N: int, K: int, cfg: W4A16Config, sms: int, balanced: bool = False) -> tuple[int, int]:
     """(splits, K per split) of the tensor-core gemv: ``cfg.split_k``, or the fewest splits (each at least
     GEMV_TC_MIN_STEPS_PER_SPLIT steps) whose grid fills its waves of GEMV_TC_PROGRAMS_PER_SM programs per SM within
     GEMV_TC_FILL_SLACK of the best fill. Why waves: the programs are short and alike, so a partial last wave is
@@ -1234,6 +1240,8 @@ def tc_split(N: int, K: int, cfg: W4A16Config, sms: int) -> tuple[int, int]:
         best = max(fill(s) for s in cands)
         split = min(s for s in cands if fill(s) >= best - GEMV_TC_FILL_SLACK)
     split = max(1, min(split, steps))
+    if balanced:
+        return split, steps
     k_split = triton.cdiv(steps, split) * cfg.block_k
     return triton.cdiv(K, k_split), k_split
 
@@ -1258,7 +1266,7 @@ def _launch_gemv_tc(
     launch, else by ``_finish_split`` after it (a plain launch). pdl: launched with PDL."""
     K = x.shape[1]
     N = words.shape[0]
-    split, k_split = tc_split(N, K, cfg, sm_count(x.device))
+    split, k_split = tc_split(N, K, cfg, sm_count(x.device), TC_BALANCED_SPLITS)
     blocks = triton.cdiv(N, cfg.block_n)
     fused = split > 1 and counter is not None
     if fused and (counter.dtype != torch.int32 or counter.numel() < blocks or counter.device != x.device):
@@ -1268,8 +1276,8 @@ def _launch_gemv_tc(
     _w4a16_gemv_tc_kernel[(blocks, split)](
         x, words, scales, gs, out, part, counter if fused else words, N, K, k_split, words.stride(0),
         scales.stride(0), gs_stride, BN=cfg.block_n, BK=cfg.block_k, SPLIT=split, EVEN_K=K % cfg.block_k == 0,
-        FUSED=fused, INTERP=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_launch(pdl),
+        FUSED=fused, INTERP=interpreting(), BAL=int(TC_BALANCED_SPLITS), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     return out if split == 1 or fused else _finish_split(part, out)
 
