@@ -374,7 +374,8 @@ def test_w4a16_gemv_tc_matches_reference(monkeypatch):
     tail), one and several splits summed by a second launch or in the same one (the counter back at zero after),
     scalar and per-row global scales, bf16 and fp32 outputs."""
     calls = _count_tc(monkeypatch)
-    cases = ((40, 256, 64, None, True), (80, 1088, 128, 3, True), (80, 1088, 128, 3, False), (16, 512, 256, 1, False))
+    cases = ((40, 256, 64, None, True), (80, 1088, 128, 3, True), (80, 1088, 128, 3, False), (16, 512, 256, 1, False),
+             (80, 1088, 64, 5, True))  # 17 steps in 5 splits: 3, 3, 3, 4, 4
     for N, K, bk, split, per_row in cases:
         x, q, s, gs = _operands(1, N, K, torch.bfloat16, seed=60 + N + K, per_row_gs=per_row)
         cfg = dataclasses.replace(TC, block_k=bk, split_k=split)
@@ -384,7 +385,7 @@ def test_w4a16_gemv_tc_matches_reference(monkeypatch):
             _assert_w4a16_close(out, x, q, s, gs)
             assert not counter.any()
         _assert_w4a16_close(w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=cfg, path="gemv"), x, q, s, gs)
-    assert calls == [True, True, False] * 4
+    assert calls == [True, True, False] * 5
 
 
 def test_w4a16_gemv_tc_decode_and_k_order_are_exact(monkeypatch):
@@ -443,12 +444,13 @@ def test_w4a16_gemv_tc_config_rules(monkeypatch):
         bad_counter = torch.zeros(1, dtype=torch.int64, device=DEVICE)
         w4a16_gemm(x, q, s, gs, config=dataclasses.replace(TC, split_k=2), path="gemv", split_counter=bad_counter)
     # the fullest waves of 4 x 132 programs (12-14 6-split.jsonl picks), at least 4 steps per split
-    assert tc_split(5376, 21504, wk.GEMV_TC_CONFIG, 132) == (6, 3584)  # 84 row blocks x 6: one wave, 95 % full
-    assert tc_split(16384, 5376, wk.GEMV_TC_CONFIG, 132) == (2, 2816)  # 512 programs, a ragged last split
-    assert tc_split(43008, 5376, wk.GEMV_TC_CONFIG, 132) == (2, 2816)  # 85 % of 3 waves (3 splits: 95 % of 4)
-    assert tc_split(18432, 5376, wk.GEMV_TC_CONFIG, 132) == (3, 1792)  # 82 % of 2 waves (5 splits: 91 % of 3)
-    assert tc_split(5376, 4096, wk.GEMV_TC_CONFIG, 132) == (4, 1024)  # 16 steps: 4 splits at most
-    assert tc_split(64, 256, dataclasses.replace(wk.GEMV_TC_CONFIG, split_k=9), 132) == (1, 256)
+    assert tc_split(5376, 21504, wk.GEMV_TC_CONFIG, 132) == 6  # 84 row blocks x 6: one wave, 95 % full
+    assert tc_split(16384, 5376, wk.GEMV_TC_CONFIG, 132) == 2  # 512 programs, 10 and 11 steps
+    assert tc_split(43008, 5376, wk.GEMV_TC_CONFIG, 132) == 2  # 85 % of 3 waves (3 splits: 95 % of 4)
+    assert tc_split(18432, 5376, wk.GEMV_TC_CONFIG, 132) == 3  # 82 % of 2 waves (5 splits: 91 % of 3)
+    assert tc_split(5376, 8192, wk.GEMV_TC_CONFIG, 132) == 6  # 32 steps: 5 or 6 per split
+    assert tc_split(5376, 4096, wk.GEMV_TC_CONFIG, 132) == 4  # 16 steps: 4 splits at most
+    assert tc_split(64, 256, dataclasses.replace(wk.GEMV_TC_CONFIG, split_k=9), 132) == 1
 
 
 _TC_SM90_COMPILE = """
@@ -459,12 +461,11 @@ from triton.compiler import ASTSource
 from perfkit.kernels import w4a16_gemm as W
 
 sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "gs_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
-       "count_ptr": "*i32"} | dict.fromkeys(("N", "K", "k_split", "stride_wn", "stride_sn", "gs_stride"), "i32")
+       "count_ptr": "*i32"} | dict.fromkeys(("N", "K", "steps", "stride_wn", "stride_sn", "gs_stride"), "i32")
 rows = []
 for split, even, fused, pdl in ((1, True, False, 0), (6, True, True, 0), (3, False, True, 0), (2, True, False, 0),
                                 (6, True, True, 1)):
-    consts = {"BN": 64, "BK": 256, "SPLIT": split, "EVEN_K": even, "FUSED": fused, "INTERP": False, "PDL": pdl,
-              "BAL": 1}
+    consts = {"BN": 64, "BK": 256, "SPLIT": split, "EVEN_K": even, "FUSED": fused, "INTERP": False, "PDL": pdl}
     try:
         names = list(sig)  # the launch's specialisation at the 31B shapes: pointers, sizes and strides % 16 == 0
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n != "gs_stride"}
@@ -1392,7 +1393,7 @@ def test_gpu_w4a16_gemv_tc_real_shapes_and_graph_replays(N, K):
     fused = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=cfg, path="gemv", split_counter=counter)
     _assert_w4a16_close(fused, x, q, s, gs)
     assert torch.equal(fused, w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=cfg, path="gemv"))
-    assert not counter.any() and wk.tc_split(N, K, cfg, wk.sm_count(x.device))[0] > 1
+    assert not counter.any() and wk.tc_split(N, K, cfg, wk.sm_count(x.device)) > 1
     onehot = torch.zeros(1, K, device="cuda", dtype=torch.bfloat16)
     onehot[0, K // 3] = 1.0
     exact = w4a16_gemm_ref(onehot, q, s, gs, out_dtype=torch.float32)

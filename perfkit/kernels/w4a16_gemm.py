@@ -618,7 +618,7 @@ def _w4a16_gemv_tc_kernel(
     count_ptr,  # FUSED: int32 [cdiv(N, BN)], 0 between launches
     N,
     K,
-    k_split,  # K per split, a multiple of BK
+    steps,  # K steps of BK in all: split i takes steps [i * steps // SPLIT, (i + 1) * steps // SPLIT)
     stride_wn,
     stride_sn,
     gs_stride,
@@ -629,10 +629,11 @@ def _w4a16_gemv_tc_kernel(
     FUSED: tl.constexpr,  # SPLIT > 1: the split of a row block that counts last sums the partials
     INTERP: tl.constexpr,
     PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
-    BAL: tl.constexpr = 0,  # balanced splits (TC_BALANCED_SPLITS): k_split counts steps
 ):
-    """The M = 1 gemv on the tensor cores (``W4A16Config.tc``): rows [pid * BN, + BN) over K in [pid_k * k_split,
-    + k_split), weights on the MMA's M side and x as its N side. Each step's A operand comes straight from the
+    """The M = 1 gemv on the tensor cores (``W4A16Config.tc``): rows [pid * BN, + BN) over split pid_k's share of
+    the K steps, weights on the MMA's M side and x as its N side. The splits differ by at most one step (12-15's
+    splits of ceil(steps / SPLIT) left the last one short: 5376 x 8192 ran 6, 6, 6, 6, 6, 2 steps, now 5 and 6;
+    chained with PDL 14.78 -> 14.09-14.39 us, the other 31B shapes within noise; H200 12-16 ``split_probe.py``). Each step's A operand comes straight from the
     words a thread loads (``_tc_tile``: the K order is permuted to the MMA fragment's, x gathered in the same
     order), so the multiply-add costs nothing per element; what is left is ~2.5 instructions per element of
     decode and block scale (3.7 per element in the loop against the wide CUDA-core gemv's 5.8, sm_90 compile).
@@ -640,12 +641,8 @@ def _w4a16_gemv_tc_kernel(
     made the chained launch slower (4-8 steps; H200 12-15, ``h200-runs/2026-12-15/pdl_probe.py``)."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
-    if BAL:  # k_split is the number of steps: split i takes steps [i * steps // SPLIT, (i + 1) * steps // SPLIT)
-        k_lo = tl.multiple_of((tl.program_id(1) * k_split // SPLIT) * BK, BK)
-        k_hi = tl.minimum(((tl.program_id(1) + 1) * k_split // SPLIT) * BK, K)
-    else:
-        k_lo = tl.multiple_of(tl.program_id(1) * k_split, BK)
-        k_hi = tl.minimum(k_lo + k_split, K)
+    k_lo = tl.multiple_of((tl.program_id(1) * steps // SPLIT) * BK, BK)
+    k_hi = tl.minimum(((tl.program_id(1) + 1) * steps // SPLIT) * BK, K)
     rows = pid * BN + tl.arange(0, BN)
     rr = tl.minimum(rows, N - 1).to(tl.int64)
     col = tl.arange(0, 16)
@@ -970,7 +967,6 @@ GEMV_TC_MIN_STEPS_PER_SPLIT = 4
 GEMV_TC_FILL_SLACK = 0.15
 GEMV_TC_MIN_ELEMENTS = 16 * 1024 * 1024
 GEMV_TC_MIN_K = 4096
-TC_BALANCED_SPLITS = True  # tc gemv: split i of s takes steps [i * steps // s, (i + 1) * steps // s)
 DOT_TINY_CONFIG = W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 # M 17-64: the swapped tile (weight rows on the wgmma's M side) with the scales a step ahead. H200 12-01i
 # (docs/h200-runs/2026-12-01i/1-w4a16_dot.jsonl, M 32 and 64 x four 31B shapes): geomean 1.055x the per-shape
@@ -1221,8 +1217,8 @@ def _launch_gemv_wide(
     return out
 
 
-def tc_split(N: int, K: int, cfg: W4A16Config, sms: int, balanced: bool = False) -> tuple[int, int]:
-    """(splits, K per split) of the tensor-core gemv: ``cfg.split_k``, or the fewest splits (each at least
+def tc_split(N: int, K: int, cfg: W4A16Config, sms: int) -> int:
+    """The number of K splits of the tensor-core gemv (at most one per step): ``cfg.split_k``, or the fewest splits (each at least
     GEMV_TC_MIN_STEPS_PER_SPLIT steps) whose grid fills its waves of GEMV_TC_PROGRAMS_PER_SM programs per SM within
     GEMV_TC_FILL_SLACK of the best fill. Why waves: the programs are short and alike, so a partial last wave is
     time lost (12-14 ``6-split.jsonl``: 5376 x 21504 at 6 splits, one wave of 504 programs, 28.72 us; at 7, 588
@@ -1239,11 +1235,7 @@ def tc_split(N: int, K: int, cfg: W4A16Config, sms: int, balanced: bool = False)
         cands = range(1, max(1, steps // GEMV_TC_MIN_STEPS_PER_SPLIT) + 1)
         best = max(fill(s) for s in cands)
         split = min(s for s in cands if fill(s) >= best - GEMV_TC_FILL_SLACK)
-    split = max(1, min(split, steps))
-    if balanced:
-        return split, steps
-    k_split = triton.cdiv(steps, split) * cfg.block_k
-    return triton.cdiv(K, k_split), k_split
+    return max(1, min(split, steps))
 
 
 def new_split_counter(N: int, device: torch.device | str) -> torch.Tensor:
@@ -1266,7 +1258,7 @@ def _launch_gemv_tc(
     launch, else by ``_finish_split`` after it (a plain launch). pdl: launched with PDL."""
     K = x.shape[1]
     N = words.shape[0]
-    split, k_split = tc_split(N, K, cfg, sm_count(x.device), TC_BALANCED_SPLITS)
+    split = tc_split(N, K, cfg, sm_count(x.device))
     blocks = triton.cdiv(N, cfg.block_n)
     fused = split > 1 and counter is not None
     if fused and (counter.dtype != torch.int32 or counter.numel() < blocks or counter.device != x.device):
@@ -1274,10 +1266,10 @@ def _launch_gemv_tc(
     out = torch.empty((1, N), dtype=out_dtype, device=x.device)
     part = torch.empty((split, 1, N), dtype=torch.float32, device=x.device) if split > 1 else out
     _w4a16_gemv_tc_kernel[(blocks, split)](
-        x, words, scales, gs, out, part, counter if fused else words, N, K, k_split, words.stride(0),
-        scales.stride(0), gs_stride, BN=cfg.block_n, BK=cfg.block_k, SPLIT=split, EVEN_K=K % cfg.block_k == 0,
-        FUSED=fused, INTERP=interpreting(), BAL=int(TC_BALANCED_SPLITS), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_launch(pdl),
+        x, words, scales, gs, out, part, counter if fused else words, N, K, triton.cdiv(K, cfg.block_k),
+        words.stride(0), scales.stride(0), gs_stride, BN=cfg.block_n, BK=cfg.block_k, SPLIT=split, EVEN_K=K % cfg.block_k == 0,
+        FUSED=fused, INTERP=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_launch(pdl),
     )  # fmt: skip
     return out if split == 1 or fused else _finish_split(part, out)
 
