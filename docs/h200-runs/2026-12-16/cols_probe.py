@@ -36,7 +36,7 @@ def main() -> None:
         row["stream_us"] = round(stream_chain_us(nbytes, "cuda")["stream_chain_us"], 2)
         row["stream_pdl_us"] = round(stream_chain_us(nbytes, "cuda", pdl=True)["stream_chain_us"], 2)
 
-        def gemv(w, pdl, counters=counters):
+        def gemv(w, pdl, x=x, counters=counters):
             return W.w4a16_gemm(x, *w, split_counter=counters[w[0].data_ptr()], pdl=pdl, out_dtype=torch.float32)
 
         for cols in (False, True):

@@ -47,7 +47,7 @@ def main() -> None:
                 cfg = dataclasses.replace(W.GEMV_TC_CONFIG, split_k=sk)
                 tag = f"{'bal' if bal else 'uni'}_{sk or 'default'}"
 
-                def gemv(w, cfg=cfg):
+                def gemv(w, cfg=cfg, x=x, counters=counters):
                     return W.w4a16_gemm(x, *w, config=cfg, split_counter=counters[w[0].data_ptr()], pdl=True,
                                         out_dtype=torch.float32)
 
