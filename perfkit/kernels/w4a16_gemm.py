@@ -1267,9 +1267,9 @@ def _launch_gemv_tc(
     part = torch.empty((split, 1, N), dtype=torch.float32, device=x.device) if split > 1 else out
     _w4a16_gemv_tc_kernel[(blocks, split)](
         x, words, scales, gs, out, part, counter if fused else words, N, K, triton.cdiv(K, cfg.block_k),
-        words.stride(0), scales.stride(0), gs_stride, BN=cfg.block_n, BK=cfg.block_k, SPLIT=split, EVEN_K=K % cfg.block_k == 0,
-        FUSED=fused, INTERP=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_launch(pdl),
+        words.stride(0), scales.stride(0), gs_stride, BN=cfg.block_n, BK=cfg.block_k, SPLIT=split,
+        EVEN_K=K % cfg.block_k == 0, FUSED=fused, INTERP=interpreting(), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     return out if split == 1 or fused else _finish_split(part, out)
 
