@@ -72,7 +72,7 @@ def check() -> None:
     words = torch.cat([words, torch.tensor([0, -1, 0x12345678, -0x789ABCDF], dtype=torch.int32)])
     got = decode_pairs_torch(repack(words))
     want = standard_pairs_torch(words)
-    ok = all(torch.equal(a, b) for a, b in zip(got, want))
+    ok = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     print(json.dumps({"check": "repack decode == standard decode", "words": words.numel(), "equal": ok}))
     assert ok
 
