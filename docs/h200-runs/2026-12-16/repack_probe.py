@@ -159,7 +159,7 @@ def rp_gemv(x, words_rp, scales, gs, counter, pdl=True, out_dtype=torch.float32)
     gs_stride = 1 if gs.numel() > 1 else 0
     _rp_kernel[(triton.cdiv(N, cfg.block_n), split)](
         x, words_rp, scales.view(torch.uint8), gs, out, part, counter, N, K, K // cfg.block_k, words_rp.stride(0),
-        scales.stride(0), gs_stride, BN=cfg.block_n, BK=cfg.block_k, SPLIT=split, PDL=int(pdl),
+        scales.stride(0), gs_stride, BN=cfg.block_n, BK=cfg.block_k, SPLIT=split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl))  # fmt: skip
     return out
 
