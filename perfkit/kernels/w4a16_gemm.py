@@ -630,15 +630,15 @@ def _w4a16_gemv_tc_kernel(
     INTERP: tl.constexpr,
     PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
 ):
-    """The M = 1 gemv on the tensor cores (``W4A16Config.tc``): rows [pid * BN, + BN) over split pid_k's share of
-    the K steps, weights on the MMA's M side and x as its N side. The splits differ by at most one step (12-15's
-    splits of ceil(steps / SPLIT) left the last one short: 5376 x 8192 ran 6, 6, 6, 6, 6, 2 steps, now 5 and 6;
-    chained with PDL 14.78 -> 14.09-14.39 us, the other 31B shapes within noise; H200 12-16 ``split_probe.py``). Each step's A operand comes straight from the
-    words a thread loads (``_tc_tile``: the K order is permuted to the MMA fragment's, x gathered in the same
-    order), so the multiply-add costs nothing per element; what is left is ~2.5 instructions per element of
-    decode and block scale (3.7 per element in the loop against the wide CUDA-core gemv's 5.8, sm_90 compile).
-    With PDL the wait is at the top: asking L2 for the program's first weight steps before it tied (2 steps) or
-    made the chained launch slower (4-8 steps; H200 12-15, ``h200-runs/2026-12-15/pdl_probe.py``)."""
+    """The M = 1 gemv on the tensor cores (``W4A16Config.tc``): rows [pid * BN, + BN) over split pid_k's share of the K
+    steps, weights on the MMA's M side and x as its N side. The splits differ by at most one step (12-15's splits of
+    ceil(steps / SPLIT) left the last one short: 5376 x 8192 ran 6, 6, 6, 6, 6, 2 steps, now 5 and 6; chained with PDL
+    14.78 -> 14.09-14.39 us, the other 31B shapes within noise; H200 12-16 ``split_probe.py``). Each step's A operand
+    comes straight from the words a thread loads (``_tc_tile``: the K order is permuted to the MMA fragment's, x
+    gathered in the same order), so the multiply-add costs nothing per element; what is left is ~2.5 instructions per
+    element of decode and block scale (3.7 per element in the loop against the wide CUDA-core gemv's 5.8, sm_90
+    compile). With PDL the wait is at the top: asking L2 for the program's first weight steps before it tied (2 steps)
+    or made the chained launch slower (4-8 steps; H200 12-15, ``h200-runs/2026-12-15/pdl_probe.py``)."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     k_lo = tl.multiple_of((tl.program_id(1) * steps // SPLIT) * BK, BK)
@@ -1218,12 +1218,12 @@ def _launch_gemv_wide(
 
 
 def tc_split(N: int, K: int, cfg: W4A16Config, sms: int) -> int:
-    """The number of K splits of the tensor-core gemv (at most one per step): ``cfg.split_k``, or the fewest splits (each at least
-    GEMV_TC_MIN_STEPS_PER_SPLIT steps) whose grid fills its waves of GEMV_TC_PROGRAMS_PER_SM programs per SM within
-    GEMV_TC_FILL_SLACK of the best fill. Why waves: the programs are short and alike, so a partial last wave is
-    time lost (12-14 ``6-split.jsonl``: 5376 x 21504 at 6 splits, one wave of 504 programs, 28.72 us; at 7, 588
-    programs, 34.51); why the fewest: every split adds partials to sum and shortens the programs (18432 x 5376 at
-    3 splits, 82 % fill, 26.33 us; at 5, 91 %, 27.70 in call 7; 43008 x 5376 at 2 splits 53.36, at 3 53.93)."""
+    """The number of K splits of the tensor-core gemv (at most one per step): ``cfg.split_k``, or the fewest splits
+    (each at least GEMV_TC_MIN_STEPS_PER_SPLIT steps) whose grid fills its waves of GEMV_TC_PROGRAMS_PER_SM programs per
+    SM within GEMV_TC_FILL_SLACK of the best fill. Why waves: the programs are short and alike, so a partial last wave
+    is time lost (12-14 ``6-split.jsonl``: 5376 x 21504 at 6 splits, one wave of 504 programs, 28.72 us; at 7, 588
+    programs, 34.51); why the fewest: every split adds partials to sum and shortens the programs (18432 x 5376 at 3
+    splits, 82 % fill, 26.33 us; at 5, 91 %, 27.70 in call 7; 43008 x 5376 at 2 splits 53.36, at 3 53.93)."""
     steps = triton.cdiv(K, cfg.block_k)
     split = cfg.split_k
     if split is None:
