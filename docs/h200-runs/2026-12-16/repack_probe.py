@@ -164,6 +164,18 @@ def rp_gemv(x, words_rp, scales, gs, counter, pdl=True, out_dtype=torch.float32)
     return out
 
 
+def _kernel_regs(fn) -> list:
+    """(constexprs, registers, spills) of each compiled variant of a jit function (call 8: whether the device's
+    Triton 3.6 gives a variant more than the 128 registers that 4 programs per SM need)."""
+    rows = []
+    for caches in getattr(fn, "device_caches", {}).values():
+        cache = caches[0] if isinstance(caches, tuple) else caches
+        for key, k in cache.items():
+            k._init_handles()
+            rows.append((str(key)[-160:], k.n_regs, k.n_spills))
+    return rows
+
+
 def main() -> None:
     from perfkit.kernels.stream import CHAIN_CALLS, CHAIN_REPLAYS, stream_chain_us
     from perfkit.kernels.timing import graph_sequence_us
@@ -171,6 +183,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=[f"{n},{k}" for n, k in SHAPES])
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--regs", action="store_true", help="after the shapes, the compiled variants' registers")
     args = ap.parse_args()
     if args.check:
         check()
@@ -207,6 +220,10 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         del weights, counters, rp, packed, scale, gs
         torch.cuda.empty_cache()
+    if args.regs:
+        for name, fn in (("committed", W._w4a16_gemv_tc_kernel), ("repacked", _rp_kernel)):
+            for key, regs, spills in _kernel_regs(fn):
+                print(json.dumps({"kernel": name, "regs": regs, "spills": spills, "key": key}), flush=True)
 
 
 if __name__ == "__main__":
