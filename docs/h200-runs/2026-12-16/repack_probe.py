@@ -184,6 +184,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=[f"{n},{k}" for n, k in SHAPES])
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--regs", action="store_true", help="after the shapes, the compiled variants' registers")
+    ap.add_argument("--plain", action="store_true", help="both arms launched without PDL (call 9)")
     args = ap.parse_args()
     if args.check:
         check()
@@ -199,11 +200,15 @@ def main() -> None:
         nbytes = int(W.w4a16_gemm_traffic(1, N, K, 2)["total_bytes"])
         row = {"N": N, "K": K, "stream_pdl_us": round(stream_chain_us(nbytes, "cuda", pdl=True)["stream_chain_us"], 2)}
 
-        def std(w, x=x, counters=counters):
-            return W.w4a16_gemm(x, *w, split_counter=counters[w[0].data_ptr()], pdl=True, out_dtype=torch.float32)
+        pdl = not args.plain
+        if args.plain:
+            row["stream_us"] = round(stream_chain_us(nbytes, "cuda")["stream_chain_us"], 2)
 
-        def new(w, x=x, counters=counters, rp=rp):
-            return rp_gemv(x, rp[w[0].data_ptr()], w[1], w[2], counters[w[0].data_ptr()])
+        def std(w, x=x, counters=counters, pdl=pdl):
+            return W.w4a16_gemm(x, *w, split_counter=counters[w[0].data_ptr()], pdl=pdl, out_dtype=torch.float32)
+
+        def new(w, x=x, counters=counters, rp=rp, pdl=pdl):
+            return rp_gemv(x, rp[w[0].data_ptr()], w[1], w[2], counters[w[0].data_ptr()], pdl=pdl)
 
         ref = std(weights[0])
         got = new(weights[0])
