@@ -78,7 +78,8 @@ def test_every_pdl_kernel_waits_before_any_store_or_return():
     assert {"_gemv_kernel", "_rmsnorm_kernel", "_sandwich_kernel", "_gelu_mul_kernel", "_qk_norm_rope_kernel",
             "_qkv_norm_rope_kernel", "_paged_decode_kernel", "_merge_splits_kernel", "_moe_routing_kernel",
             "_moe_gather_gate_up_kernel", "_moe_gather_down_kernel", "_moe_ffn_gate_up_kernel",
-            "_moe_ffn_down_kernel", "_w4a16_gemv_tc_kernel", "_w4a16_gemv_wide_kernel", "_stream_kernel", "_fp8_gemv_kernel"} <= names  # fmt: skip
+            "_moe_ffn_down_kernel", "_w4a16_gemv_tc_kernel", "_w4a16_gemv_wide_kernel", "_stream_kernel",
+            "_fp8_gemv_kernel"} <= names  # fmt: skip
     for name, src in kernels:
         body = ast.parse(src).body[0].body
         enters = [i for i, st in enumerate(body) if "pdl_enter(PDL)" in ast.unparse(st) and isinstance(st, ast.Expr)]
@@ -124,9 +125,9 @@ def test_set_pdl_reaches_the_quantized_linears(monkeypatch, scheme):
     assert lins and not any(m.pdl for m in lins)
     model.set_pdl(True)
     assert all(m.pdl is True for m in lins)
+    lin = lins[0]
     seen = []
     monkeypatch.setattr(quant, fn, lambda x, *a, **kw: seen.append(kw["pdl"]) or x @ lin.dequantized_weight().T)
-    lin = lins[0]
     lin.backend = backend
     lin(torch.randn(1, lin.in_features))
     assert seen == [True]

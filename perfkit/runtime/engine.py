@@ -17,8 +17,9 @@ Toggles (settable on a live engine with `set_toggle`; both arms of every toggle 
   rounding-level)   pdl=on|off (the fused path's, the Triton decode's and the quantised linears' batch-1 kernels
   launch with programmatic dependent launch, sm_90+; the same kernels and arithmetic, so bit for bit)
   decode_fusion=on|off (fewer launches per batch-1 decode layer: GeGLU inside the down gemv, the MoE router beside
-  the dense gate_up in one gemv launch; bit for bit)   decode_routing=separate|fused (with decode_fusion: the MoE routing as one more
-  program of the dense down gemv's launch; the routing weights to fp32 rounding)
+  the dense gate_up in one gemv launch; bit for bit)
+  decode_routing=separate|fused (with decode_fusion: the MoE routing as one more program of the dense down gemv's
+  launch; the routing weights to fp32 rounding)
   decode_moe_ffn=separate|fused|branches (with decode_fusion: a MoE layer's feed-forward block at decode; fused: at
   batch 1 in two launches, the router's product in the attention sandwich's; branches: up to 32 rows, the dense MLP
   on a second CUDA stream beside the routing and the experts, the router's product in the sandwich's launch;
