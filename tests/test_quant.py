@@ -48,8 +48,10 @@ from perfkit.kernels.w4a16_gemm import (
     pick_config,
     pick_path,
     quantize_nvfp4,
+    repack_words,
     tc_split,
     unpack_e2m1,
+    unrepack_words,
     w4a16_gemm,
     w4a16_gemm_gathered,
     w4a16_gemm_gathered_ref,
@@ -408,6 +410,37 @@ def test_w4a16_gemv_tc_decode_and_k_order_are_exact(monkeypatch):
         out = w4a16_gemm(x_, q_, s_, gs, out_dtype=torch.float32, config=dataclasses.replace(TC, split_k=split))
         torch.testing.assert_close(out, ref, atol=0, rtol=0)
     assert len(calls) == 2
+
+
+def test_repack_words_is_a_bit_permutation_of_each_word():
+    """repack_words moves each code's 4 bits inside its int32 word (the same 8 codes per word) and unrepack_words
+    undoes it, for every byte value in every position; leading dims (stacked experts) pass through."""
+    gen = torch.Generator().manual_seed(11)
+    q = torch.stack([torch.randperm(256, generator=gen) for _ in range(12)]).to(torch.uint8).view(3, 4, 256)
+    r = repack_words(q)
+    assert r.shape == q.shape and r.dtype == torch.uint8 and not torch.equal(r, q)
+    assert torch.equal(unrepack_words(r), q)
+    popcount = [int(bin(v).count("1")) for v in range(256)]
+    ones = torch.tensor(popcount)
+    words_q, words_r = q.view(-1, 4).long(), r.view(-1, 4).long()
+    assert torch.equal(ones[words_q].sum(1), ones[words_r].sum(1))  # same bits per word, moved
+
+
+@pytest.mark.parametrize(
+    "M,path,cfg",
+    [(1, "gemv", TC), (1, "gemv", WIDE), (1, "gemv", None), (3, "gemv", None), (24, "dot", None),
+     (160, "dequant_mm", None)],  # fmt: skip
+)
+def test_w4a16_repacked_words_give_the_same_result(M, path, cfg):
+    """Every path reading the repacked words (``repacked=True``: the tensor-core gemv, the wide and narrow gemvs,
+    the dot tile, the dequant pass) returns the standard words' result bit for bit: the same codes, decoded to the
+    same values, summed in the same order. Ragged K (a masked last step) and per-row global scales included."""
+    for K, per_row in ((512, False), (1088, True)):
+        x, q, s, gs = _operands(M, 80, K, torch.bfloat16, seed=70 + M + K, per_row_gs=per_row)
+        c = None if cfg is None else dataclasses.replace(cfg, block_k=64 if K % 256 else cfg.block_k)
+        want = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=c, path=path)
+        got = w4a16_gemm(x, repack_words(q), s, gs, out_dtype=torch.float32, config=c, path=path, repacked=True)
+        assert torch.equal(got, want)
 
 
 def test_w4a16_gemv_tc_config_rules(monkeypatch):

@@ -389,7 +389,7 @@ def _moe_gemm_q_kernel(
                 if GELU_MUL:
                     su = _q_scales(s_ptrs + N * stride_sn, k0, Kd, g, SCALES_VEC)
                 sf = (_e4m3_times_2m8(sr) * 4194304.0)[:, :, None]
-                tile = _dequant_tile(w.to(tl.uint32, bitcast=True), sf, ASM)  # [BN, BK] fp32, exact
+                tile = _dequant_tile(w.to(tl.uint32, bitcast=True), sf, ASM, 0)  # [BN, BK] fp32, exact
             else:
                 tile = tl.load(w_ptrs, mask=km[None, :], other=0.0).to(tl.float32)  # e4m3 -> fp32, exact
             acc = _q_dot(a, tile, acc, IEEE, SWAP_AB)
@@ -397,7 +397,7 @@ def _moe_gemm_q_kernel(
                 if NVFP4:
                     wu = tl.load(w_ptrs + N * stride_wn, mask=g_ok[None, :, None], other=0)
                     tile = _dequant_tile(
-                        wu.to(tl.uint32, bitcast=True), (_e4m3_times_2m8(su) * 4194304.0)[:, :, None], ASM
+                        wu.to(tl.uint32, bitcast=True), (_e4m3_times_2m8(su) * 4194304.0)[:, :, None], ASM, 0
                     )
                 else:
                     tile = tl.load(w_ptrs + N * stride_wn, mask=km[None, :], other=0.0).to(tl.float32)
@@ -684,7 +684,7 @@ def _moe_gather_gate_up_w4a16_kernel(
     wg, sg = _wide_ptrs(w_ptr + e * stride_we, s_ptr + e * stride_se, rg, stride_wn, stride_sn, c)
     wu, su = _wide_ptrs(w_ptr + e * stride_we, s_ptr + e * stride_se, ru, stride_wn, stride_sn, c)
     xp = _wide_x(x_ptr + (p // top_k) * stride_x, c)
-    acc_g, acc_u = _wide_loop(wg, sg, wu, su, xp, H * live, H, c, EVEN_K, BLOCK_K, ASM)
+    acc_g, acc_u = _wide_loop(wg, sg, wu, su, xp, H * live, H, c, EVEN_K, BLOCK_K, ASM, 0)
     g = _wide_sum(acc_g) * tl.load(rs_ptr + e * stride_re + rg)
     u = _wide_sum(acc_u) * tl.load(rs_ptr + e * stride_re + ru)
     a = _gelu_tanh_f32(g) * u
@@ -722,7 +722,7 @@ def _moe_gather_down_w4a16_kernel(
     wt = tl.load(topw_ptr + p).to(tl.float32)
     offs_a, ra, ya, offs_b, rb, yb = _wide_gemv(
         act_ptr + p * stride_act, w_ptr + e * stride_we, s_ptr + e * stride_se, tl.program_id(1) * BLOCK_N, H,
-        inter, inter * (wt != 0).to(tl.int32), stride_wn, stride_sn, BLOCK_N // 2, BLOCK_K, EVEN_K, ASM,
+        inter, inter * (wt != 0).to(tl.int32), stride_wn, stride_sn, BLOCK_N // 2, BLOCK_K, EVEN_K, ASM, 0,
     )  # fmt: skip
     ya = ya * (wt * tl.load(rs_ptr + e * stride_re + ra))
     yb = yb * (wt * tl.load(rs_ptr + e * stride_re + rb))
