@@ -496,9 +496,10 @@ from perfkit.kernels import w4a16_gemm as W
 sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "gs_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
        "count_ptr": "*i32"} | dict.fromkeys(("N", "K", "steps", "stride_wn", "stride_sn", "gs_stride"), "i32")
 rows = []
-for split, even, fused, pdl in ((1, True, False, 0), (6, True, True, 0), (3, False, True, 0), (2, True, False, 0),
-                                (6, True, True, 1)):
-    consts = {"BN": 64, "BK": 256, "SPLIT": split, "EVEN_K": even, "FUSED": fused, "INTERP": False, "PDL": pdl}
+for split, even, fused, pdl, rp in ((1, True, False, 0, 0), (6, True, True, 0, 0), (3, False, True, 0, 0),
+                                    (2, True, False, 0, 0), (6, True, True, 1, 0), (6, True, True, 1, 1)):
+    consts = {"BN": 64, "BK": 256, "SPLIT": split, "EVEN_K": even, "FUSED": fused, "INTERP": False, "PDL": pdl,
+              "RP": rp}
     try:
         names = list(sig)  # the launch's specialisation at the 31B shapes: pointers, sizes and strides % 16 == 0
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n != "gs_stride"}
@@ -506,6 +507,7 @@ for split, even, fused, pdl in ((1, True, False, 0), (6, True, True, 0), (3, Fal
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
         ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
         a_in_regs = "warp_group_dot" in ttgir and "dot_op<{opIdx = 0" in ttgir and "mul.rn.bf16x2" in ptx
+        a_in_regs = a_in_regs and ("shf.l.wrap" in ptx) == bool(rp)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(k.asm["cubin"])
             f.flush()
@@ -525,10 +527,11 @@ def test_w4a16_gemv_tc_compiles_for_sm90():
     PTX): the decoded tile reaches the warpgroup MMA as its register operand, the bf16x2 multiply is there, only
     the fused sum counts atomically, no variant spills (no stack), and with whole K steps (every 31B shape) the
     kernel keeps within 128 registers: the 4 programs per SM that ``tc_split`` plans with (127 in the 12-14
-    compile; the masked K tail takes 134). Launched with PDL: one wait, the same registers."""
+    compile; the masked K tail takes 134). Launched with PDL: one wait, the same registers. On repacked words
+    (``repack_words``) the pairs decode by rotations, within the same registers."""
     from aot import sm90_rows
 
-    assert sm90_rows(_TC_SM90_COMPILE) == [True] * 5
+    assert sm90_rows(_TC_SM90_COMPILE) == [True] * 6
 
 
 def test_w4a16_split_k_rule():
