@@ -1450,6 +1450,27 @@ def test_gpu_w4a16_gemv_tc_real_shapes_and_graph_replays(N, K):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize(
+    "M,N,K,path",
+    [(1, 5376, 8192, "gemv"), (1, 43008, 5376, "gemv"), (1, 4224, 2816, "gemv"), (3, 8192, 5376, "gemv"),
+     (24, 5376, 8192, "dot"), (300, 8192, 5376, "dequant_mm")],  # fmt: skip
+)
+def test_gpu_w4a16_repacked_words_bit_identical(M, N, K, path):
+    """The repacked words (``repack_words``, ``repacked=True``) through the compiled kernels at 31B / 26B-A4B shapes
+    (the tensor-core gemv with its in-launch split sum, the wide gemv at K 2816, the narrow gemv, the dot tile, the
+    dequant pass + cuBLAS): bit for bit the standard words' result, the split counter back at zero."""
+    gen = torch.Generator().manual_seed(N + K + M)
+    q, s, gs = (t.cuda() for t in quantize_nvfp4(torch.randn(N, K, generator=gen) * 0.02))
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    counter = new_split_counter(N, "cuda") if M == 1 else None
+    want = w4a16_gemm(x, q, s, gs, path=path, split_counter=counter)
+    got = w4a16_gemm(x, repack_words(q), s, gs, path=path, split_counter=counter, repacked=True)
+    assert torch.equal(got, want)
+    assert counter is None or not counter.any()
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_w4a16_pdl_chain_equals_plain():
     """PDL launches of the M = 1 gemv kernels in a dependent chain (each reads the output of the one before, an
     rmsnorm between, as in a decode layer): wide 5376 x 2816 -> tensor-core 8192 x 5376 -> rmsnorm -> tensor-core
