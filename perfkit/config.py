@@ -154,6 +154,15 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "decode or with attention=torch; separate by default: fused was slower on the H200 (12-10: 26B-A4B c1 TPOT "
         "2.912 -> 2.934 ms, c4 +2 %; it gains on the sliding pools at batch 1 and loses on the hd 512 full pools)",
     ),
+    "w4a16_words": (
+        ("auto", "standard", "repacked"),
+        "auto",
+        "NVFP4 weights on the W4A16 path (Hopper): each int32 word's codes in the checkpoint's bit order (standard), "
+        "or permuted once at engine start (repacked: the tensor-core batch-1 gemv then decodes a pair of codes with "
+        "one rotation and one mask instead of two shifts and two masks), or repacked only where the batch-1 product "
+        "runs the tensor-core gemv in one wave of programs (auto: 4.8-7.2 % faster there, 1.6-3.7 % slower on more "
+        "waves, H200 12-17); rewritten in place, the same codes and sums: bit for bit; no effect on other formats",
+    ),
     "attention": (
         ("auto", "flashinfer", "torch"),
         "auto",
@@ -197,6 +206,7 @@ class Toggles(BaseModel):
     decode_routing: Literal["separate", "fused"] = "fused"
     decode_moe_ffn: Literal["separate", "fused", "branches"] = "branches"
     decode_prologue: Literal["separate", "fused"] = "separate"
+    w4a16_words: Literal["auto", "standard", "repacked"] = "auto"
     attention: Literal["auto", "flashinfer", "torch"] = "auto"
 
     @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", "pdl", "decode_fusion",
@@ -227,6 +237,7 @@ class PartialToggles(BaseModel):
     decode_routing: Literal["separate", "fused"] | None = None
     decode_moe_ffn: Literal["separate", "fused", "branches"] | None = None
     decode_prologue: Literal["separate", "fused"] | None = None
+    w4a16_words: Literal["auto", "standard", "repacked"] | None = None
     attention: Literal["auto", "flashinfer", "torch"] | None = None
 
     @field_validator("mm_embed_cache", "cuda_graphs", "fused_kernels", "nvtx", "overlap", "pdl", "decode_fusion",

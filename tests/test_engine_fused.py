@@ -20,11 +20,12 @@ import pytest
 import torch
 from isolation import in_fresh_process
 
+from perfkit.kernels.w4a16_gemm import repack_words
 from perfkit.runtime.engine import Engine, EngineConfig
 from perfkit.runtime.generate import greedy_generate
 from perfkit.runtime.model import Gemma4Attention, Gemma4MLP
 from perfkit.runtime.model_config import get_preset
-from perfkit.runtime.quant import Fp8Linear, quantize_model_
+from perfkit.runtime.quant import Fp8Linear, Nvfp4Linear, quantize_model_
 from perfkit.runtime.weights import build_model
 
 PRESETS = ["tiny", "tiny-moe", "tiny-e2b"]  # dense K=V, MoE, PLE + KV sharing + full layers with a v_proj
@@ -248,3 +249,30 @@ def test_gpu_merging_returns_the_replaced_weights_to_the_driver(request):
     grown = torch.cuda.memory_reserved() - before
     assert grown < 64 << 20, f"{grown / 2**20:.0f} MiB more reserved after merging"
     assert all(layer.mlp.merged_weight() is not None for layer in model.layers)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_nvfp4_repacked_words_give_the_same_tokens(fused):
+    """Toggle w4a16_words: "repacked" rewrites every NVFP4 weight in place (a merged q|k|v / gate|up weight and the
+    separate modules that view its rows alike) and the engine's logits equal the standard words' bit for bit; the
+    summary per fused-path shape is in the stats; switched live to "standard" the checkpoint's words are back, and
+    "auto" repacks nothing off CUDA (no tensor-core gemv)."""
+    cfg, model = _model("tiny")
+    quantize_model_(model, "nvfp4")
+    std = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = _engine(copy.deepcopy(model), cfg, fused)
+    cand = _engine(model, cfg, fused, w4a16_words="repacked")
+    mods = [m for m in model.modules() if isinstance(m, Nvfp4Linear)]
+    attn = model.layers[0].self_attn
+    assert mods and all(m.repacked for m in mods) and cand.toggles()["w4a16_words"] == "repacked"
+    assert torch.equal(attn.q_proj.weight, repack_words(std["layers.0.self_attn.q_proj.weight"]))
+    assert not fused or attn.qkv.module.repacked
+    assert set(cand.stats.w4a16_words.values()) == {"repacked"} and set(ref.stats.w4a16_words.values()) == {
+        "standard"
+    }
+    assert all(torch.equal(v, std[k]) for k, v in model.state_dict().items())  # checkpoints see standard words
+    assert _lockstep(ref, cand, _prompts(2), max_new=3)["rel"] == 0.0
+    cand.set_toggle("w4a16_words", "standard")
+    assert not any(m.repacked for m in mods) and torch.equal(attn.q_proj.weight, std["layers.0.self_attn.q_proj.weight"])
+    cand.set_toggle("w4a16_words", "auto")
+    assert not any(m.repacked for m in mods) and cand.toggles()["w4a16_words"] == "auto"

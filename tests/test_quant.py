@@ -1471,6 +1471,44 @@ def test_gpu_w4a16_repacked_words_bit_identical(M, N, K, path):
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_engine_tokens_identical_with_repacked_words():
+    """31B with 2 layers and NVFP4 weights: FlashInfer, CUDA graphs, the fused path, PDL, staggered lengths (mixed
+    steps, then batch-1 tails on the tensor-core gemv): w4a16_words auto and repacked give the standard words'
+    tokens, and so does switching to repacked on a live engine; auto repacks the shapes ``repack_pays`` names."""
+    from perfkit.kernels.w4a16_gemm import repack_pays
+    from perfkit.runtime.engine import Engine, EngineConfig
+    from perfkit.runtime.quant import quantize_model_
+
+    cfg = get_preset("31b", num_layers=2)
+    model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
+    quantize_model_(model, "nvfp4")
+    gen = torch.Generator().manual_seed(29)
+    reqs = [torch.randint(3, cfg.vocab_size, (int(n),), generator=gen).tolist() for n in (7, 40, 130, 300, 17, 64)]
+    kw = dict(attention="flashinfer", cuda_graphs=True, page_size=16, max_batch_size=8, max_num_tokens=512,
+              num_kv_pages=2000, max_model_len=1024, mask="triton", fused_kernels=True, pdl=True)  # fmt: skip
+
+    def run(e):
+        rids = [e.add_request(p, max_new_tokens=6 + (i % 4) * 7) for i, p in enumerate(reqs)]
+        got = e.generate_all()
+        e.bm.check_no_leaks()
+        return [got[r] for r in rids]
+
+    outs, words = [], []
+    for mode in ("standard", "auto", "repacked"):
+        e = Engine(model, cfg, EngineConfig(**kw, w4a16_words=mode))
+        words.append(e.stats.w4a16_words)
+        outs.append(run(e))
+    live = Engine(model, cfg, EngineConfig(**kw))
+    live.set_toggle("w4a16_words", "repacked")
+    outs.append(run(live))
+    assert outs[0] == outs[1] == outs[2] == outs[3]
+    auto = {k: "repacked" if repack_pays(*map(int, k.split("x")), "cuda") else "standard" for k in words[1]}
+    assert words[1] == auto and "repacked" in auto.values() and set(words[0].values()) == {"standard"}
+    assert set(words[2].values()) == {"repacked"}
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_w4a16_pdl_chain_equals_plain():
     """PDL launches of the M = 1 gemv kernels in a dependent chain (each reads the output of the one before, an
     rmsnorm between, as in a decode layer): wide 5376 x 2816 -> tensor-core 8192 x 5376 -> rmsnorm -> tensor-core
@@ -1661,3 +1699,58 @@ def test_merged_quantised_rows_equal_the_separate_gemms(cls):
     torch.testing.assert_close(torch.cat([m(x) for m in mods], dim=-1), want)  # the views still compute the same
     assert not merged.intact([mods[0], klass.from_linear(lins[1]), mods[2]])
     assert klass.merge_rows([mods[0], torch.nn.Linear(64, 8, bias=False)]) is None
+
+
+def test_nvfp4_linear_words_in_place_and_state_dicts():
+    """Nvfp4Linear.set_words rewrites its weight in place in repack_words' order and back: outputs bit for bit at
+    gemv, dot and dequant sizes, dequantized_weight unchanged; state_dict hands out the standard words (keep_vars the
+    live buffer), load_state_dict of standard words stores them repacked; merged rows need one order and keep it; a
+    backend that does not read repacked words stays standard."""
+    import perfkit.runtime.quant as quant
+
+    torch.manual_seed(0)
+    lins = [torch.nn.Linear(64, n, bias=False) for n in (48, 16)]
+    m = quant.Nvfp4Linear.from_linear(lins[0])
+    std = m.weight.clone()
+    xs = [torch.randn(M, 64) for M in (1, 24, 160)]
+    want = [m(x) for x in xs]
+    deq, ptr = m.dequantized_weight(), m.weight.data_ptr()
+    assert m.set_words(True) and m.repacked and not m.set_words(True)
+    assert m.weight.data_ptr() == ptr and torch.equal(m.weight, repack_words(std)) and "words=repacked" in repr(m)
+    for x, w in zip(xs, want, strict=True):
+        assert torch.equal(m(x), w)
+    assert torch.equal(m.dequantized_weight(), deq) and torch.equal(m.standard_weight(), std)
+    sd = m.state_dict()
+    assert torch.equal(sd["weight"], std) and m.state_dict(keep_vars=True)["weight"] is m.weight
+    other = quant.Nvfp4Linear.from_linear(torch.nn.Linear(64, 48, bias=False))
+    other.set_words(True)
+    other.load_state_dict(sd)  # the standard words of lins[0]: stored repacked
+    assert torch.equal(other.weight, m.weight) and torch.equal(other(xs[0]), want[0])
+    plain = quant.Nvfp4Linear.from_linear(lins[1])
+    assert quant.Nvfp4Linear.merge_rows([m, plain]) is None  # two word orders
+    plain.set_words(True)
+    merged = quant.Nvfp4Linear.merge_rows([m, plain])
+    assert merged is not None and merged.module.repacked
+    assert torch.equal(merged(xs[0])[:, :48], want[0])
+    assert m.set_words(False) and torch.equal(m.weight, std) and m.weight.data_ptr() == merged.weight.data_ptr()
+    ref = quant.Nvfp4Linear.from_linear(lins[0])
+    ref.backend = "w4a16-ref"
+    assert not ref.set_words(True) and not ref.repacked and not ref.repack_pays()
+
+
+def test_w4a16_repack_pays_one_wave_of_tc_programs(monkeypatch):
+    """repack_pays: only where the batch-1 product runs the tensor-core gemv in one wave of programs (the H200's
+    132 SMs: 5376 x 8192 at 6 splits, 504 programs, and 16384 x 5376 at 2, 512, pay; 18432 x 5376 at 3 splits, 864
+    programs, and 43008 x 5376 do not; nor a CUDA-core shape, nor the CPU)."""
+    import perfkit.kernels.w4a16_gemm as wk
+
+    assert not wk.repack_pays(5376, 8192, "cpu")
+    monkeypatch.setattr(wk, "interpreting", lambda: False)
+    monkeypatch.setattr(wk, "tensor_cores_for_gemv", lambda device: True)
+    monkeypatch.setattr(wk, "sm_count", lambda device: 132)
+    pays = {(n, k): wk.repack_pays(n, k, "cuda") for n, k in
+            ((5376, 8192), (5376, 16384), (5376, 21504), (16384, 5376), (18432, 5376), (43008, 5376), (4224, 2816))}  # fmt: skip
+    assert pays == {(5376, 8192): True, (5376, 16384): True, (5376, 21504): True, (16384, 5376): True,
+                    (18432, 5376): False, (43008, 5376): False, (4224, 2816): False}  # fmt: skip
+    monkeypatch.setattr(wk, "tensor_cores_for_gemv", lambda device: False)
+    assert not wk.repack_pays(5376, 8192, "cuda")

@@ -165,6 +165,7 @@ class ServingTarget:
             "kv_dtype": st.kv_dtype,
             "kv_scales": st.kv_scales,
             "decode_gemv": st.decode_gemv,
+            "w4a16_words": st.w4a16_words,
             "setup_s": self.setup_s,
             "quant": self.quant,
             "tp": self.tp_summary,
@@ -371,6 +372,7 @@ def load_target(
         decode_routing=toggles.decode_routing == "fused",
         decode_moe_ffn=toggles.decode_moe_ffn,
         decode_prologue=toggles.decode_prologue == "fused",
+        w4a16_words=toggles.w4a16_words,
         decode_use_tensor_cores=None if rt.decode_tensor_cores == "auto" else rt.decode_tensor_cores == "on",
         seed=mcfg.seed,
     )

@@ -27,6 +27,8 @@ Toggles (settable on a live engine with `set_toggle`; both arms of every toggle 
   decode_prologue=separate|fused (fused_kernels on, decode-only steps on the Triton decode: the q/k norm + RoPE and
   the newest K / V row's write inside the decode kernel instead of their own launch; the same arithmetic, bit for
   bit under the interpreter, a q element an ulp apart now and then on the GPU)
+  w4a16_words=auto|standard|repacked (NVFP4 weights' words in the checkpoint's bit order or repacked, which the
+  tensor-core gemv decodes with fewer instructions; auto: where the batch-1 product is faster so; bit for bit)
 Three toggles change the arithmetic's order, so their arms agree to rounding rather than bit for bit:
   fused_kernels=on|off   moe_gather=gemv|kernels (NVFP4 experts at decode sizes; no effect on other models)
   moe_prefill=auto|quantized|dequant (NVFP4 / FP8 experts at prefill sizes; no effect on other models)
@@ -70,6 +72,7 @@ TOGGLES = {
     "decode_routing": ("separate", "fused"),
     "decode_moe_ffn": ("separate", "fused", "branches"),
     "decode_prologue": ("separate", "fused"),
+    "w4a16_words": ("auto", "standard", "repacked"),
 }
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}  # fmt: skip
@@ -105,6 +108,7 @@ class EngineConfig:
     decode_routing: bool = False  # with decode_fusion: MoE routing in the down gemv's launch (set_decode_fusion)
     decode_moe_ffn: str = "separate"  # with decode_fusion: a MoE layer's FFN block, separate | fused | branches
     decode_prologue: bool = False  # q/k norm + RoPE + the new K / V row inside the Triton decode (attend_raw)
+    w4a16_words: str = "standard"  # auto | standard | repacked: NVFP4 weights' word order (set_w4a16_words)
     workspace_bytes: int = 256 << 20  # flashinfer float workspace, shared by every wrapper
     seed: int = 0  # sampling generators
 
@@ -148,6 +152,7 @@ class EngineStats:
     kv_dtype: str = ""  # e.g. "bfloat16", "float8_e4m3fn"
     kv_scales: dict = field(default_factory=dict)  # fp8 only: KVScales.summary() (method, min/max over layers)
     decode_gemv: dict = field(default_factory=dict)  # Gemma4ForCausalLM.set_decode_gemv's summary (auto: timings)
+    w4a16_words: dict = field(default_factory=dict)  # Gemma4ForCausalLM.set_w4a16_words' summary (per NVFP4 shape)
 
 
 class Engine:
@@ -182,6 +187,7 @@ class Engine:
         self._validate_toggles(ec)
         self._check_pdl(ec.pdl)
         model.set_fused(ec.fused_kernels)
+        self._words = model.set_w4a16_words(ec.w4a16_words)  # after set_fused: the merged shapes decide
         model.set_pdl(ec.pdl)
         model.set_decode_fusion(ec.decode_fusion, routed=ec.decode_routing, moe_ffn=ec.decode_moe_ffn)
         self._gemv = model.set_decode_gemv(ec.decode_gemv)  # after set_fused (the merged shapes) and set_pdl
@@ -195,7 +201,7 @@ class Engine:
     @staticmethod
     def _validate_toggles(ec: EngineConfig) -> None:
         for name in ("attention", "page_table", "mask", "moe_gather", "moe_prefill", "decode_attention", "decode_gemv",
-                     "decode_moe_ffn"):  # fmt: skip
+                     "decode_moe_ffn", "w4a16_words"):  # fmt: skip
             if getattr(ec, name) not in TOGGLES[name]:
                 raise PerfkitError(f"{name}={getattr(ec, name)!r}; allowed: {', '.join(TOGGLES[name])}")
 
@@ -347,6 +353,7 @@ class Engine:
         elif name == "fused_kernels" and on != self.ec.fused_kernels:
             self.ec = replace(self.ec, fused_kernels=on)
             self.model.set_fused(on)
+            self._words = self.model.set_w4a16_words(self.ec.w4a16_words)
             self._gemv = self.model.set_decode_gemv(self.ec.decode_gemv)  # merging changed the shapes
             self._graphs = None  # captured graphs replay the other path: capture again
             self._sync_graphs()
@@ -361,6 +368,11 @@ class Engine:
         elif name == "decode_prologue" and (value == "fused") != self.ec.decode_prologue:
             self.ec = replace(self.ec, decode_prologue=value == "fused")
             self._set_flashinfer("decode_prologue", self.ec.decode_prologue)
+        elif name == "w4a16_words" and value != self.ec.w4a16_words:
+            self.ec = replace(self.ec, w4a16_words=value)
+            self._words = self.model.set_w4a16_words(value)
+            self._graphs = None  # the graphs' kernels read the words in one order: capture again
+            self._sync_graphs()
         elif name == "decode_gemv" and value != self.ec.decode_gemv:
             self.ec = replace(self.ec, decode_gemv=value)
             self._gemv = self.model.set_decode_gemv(value)  # auto times each shape once per model
@@ -418,6 +430,7 @@ class Engine:
             "decode_routing": "fused" if ec.decode_routing else "separate",
             "decode_moe_ffn": ec.decode_moe_ffn,
             "decode_prologue": "fused" if ec.decode_prologue else "separate",
+            "w4a16_words": ec.w4a16_words,
         }  # fmt: skip
 
     # ---- requests --------------------------------------------------------------------------------------------
@@ -562,6 +575,7 @@ class Engine:
             kv_dtype=str(self.kv_dtype).removeprefix("torch."),
             kv_scales=self.kv_scales.summary() if self.kv_scales is not None else {},
             decode_gemv=self._gemv,
+            w4a16_words=self._words,
         )
 
 

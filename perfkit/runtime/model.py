@@ -840,6 +840,32 @@ class Gemma4ForCausalLM(nn.Module):
         self._set_module_flag("glu_tiles", glu_tiles)
         return {"mode": mode, "shapes": shapes}
 
+    def set_w4a16_words(self, mode: str) -> dict[str, str]:
+        """The NVFP4 weights' word order (toggle ``w4a16_words``): "standard" the checkpoint's; "repacked" every
+        W4A16 weight's in ``repack_words``' order (the tensor-core gemv decodes it with fewer instructions; every
+        path gives the same result bit for bit); "auto" the weights whose batch-1 product is faster so
+        (``Nvfp4Linear.repack_pays``: one wave of tensor-core gemv programs). Each weight is rewritten in place;
+        the modules whose weights are views of a merged q|k|v / gate|up weight follow its order, which the merged
+        shape decides (call after ``set_fused``). Modules without ``set_words`` (other formats) are left alone.
+        Returns {"NxK": "repacked" | "standard"} per weight shape of the fused path's NVFP4 weights."""
+        if mode not in ("auto", "standard", "repacked"):
+            raise ValueError(f"w4a16_words {mode!r}: allowed values are auto, standard, repacked")
+        owners: dict[int, nn.Module] = {}  # weight storage -> the module that decides its order
+        decode = [getattr(lin, "module", lin) for layer in self.layers for lin in layer.decode_linears()]
+        for m in [*decode, *self.modules()]:
+            if hasattr(m, "set_words") and m.weight.device.type != "meta":
+                owners.setdefault(m.weight.untyped_storage().data_ptr(), m)
+        changed = False
+        for m in owners.values():
+            changed |= m.set_words(mode == "repacked" or (mode == "auto" and m.repack_pays()))
+        for m in self.modules():
+            if hasattr(m, "set_words") and m.weight.device.type != "meta":
+                m.repacked = owners[m.weight.untyped_storage().data_ptr()].repacked
+        if changed and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the rewrite's temporaries: hand them back before the KV sizing
+        return {f"{m.out_features}x{m.in_features}": "repacked" if m.repacked else "standard"
+                for m in decode if hasattr(m, "set_words")}  # fmt: skip
+
     def _down_keys(self) -> set[tuple[int, int, torch.dtype]]:
         """(N, K, dtype) of the merged dense MLPs' plain down weights: the products decode_fusion's GLU form takes."""
         keys = set()

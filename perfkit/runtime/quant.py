@@ -62,6 +62,9 @@ from perfkit.kernels.w4a16_gemm import (
     new_split_counter,
     pick_path,
     quantize_nvfp4,
+    repack_pays,
+    repack_words,
+    unrepack_words,
     w4a16_gemm,
     w4a16_gemm_gathered,
 )
@@ -248,6 +251,7 @@ class Nvfp4Linear(nn.Module):
         self._native: tuple[Tensor, Tensor] | None = None  # (swizzled block scales, ...) prepared lazily
         self._gs_runs_cache: tuple[tuple, tuple[tuple[int, int, float], ...]] | None = None  # (key, runs)
         self._split_counter: Tensor | None = None  # the tensor-core gemv's split-K count (``_one_row_counter``)
+        self.repacked = False  # ``weight`` holds its words in ``repack_words``' order (``set_words``)
 
     @classmethod
     def from_linear(cls, lin: nn.Linear) -> Nvfp4Linear:
@@ -261,10 +265,11 @@ class Nvfp4Linear(nn.Module):
     def merge_rows(cls, linears: list[nn.Module]) -> MergedQuantRows | None:
         """q|k|v or gate|up as one Nvfp4Linear with a per-row global scale (None, nothing changed, unless all are
         Nvfp4Linear of one backend and in_features; fp4-native keeps separate GEMMs: its alpha is a scalar)."""
-        if not _mergeable(linears, cls) or linears[0].backend == "fp4-native":
+        if not _mergeable(linears, cls) or linears[0].backend == "fp4-native" or len({m.repacked for m in linears}) > 1:
             return None
         merged = cls(linears[0].in_features, sum(m.out_features for m in linears), device="meta")
         merged.backend, merged.input_scale = linears[0].backend, linears[0].input_scale
+        merged.repacked = linears[0].repacked  # a row concatenation keeps each word whole
         with torch.no_grad():  # each module's global scale, one per row of the merged weight
             merged.weight_scale_2 = torch.cat(
                 [m.weight_scale_2.float().reshape(-1).expand(m.out_features) for m in linears]
@@ -272,7 +277,45 @@ class Nvfp4Linear(nn.Module):
         return _merge_quant_rows(linears, ("weight", "weight_scale"), merged)
 
     def dequantized_weight(self) -> Tensor:
-        return dequantize_nvfp4(self.weight, self.weight_scale, self.weight_scale_2)
+        return dequantize_nvfp4(self.standard_weight(), self.weight_scale, self.weight_scale_2)
+
+    def standard_weight(self) -> Tensor:
+        """``weight`` in the checkpoint's word order (a copy if it is held repacked)."""
+        return unrepack_words(self.weight) if self.repacked else self.weight
+
+    def repack_pays(self) -> bool:
+        """Whether this weight's batch-1 product runs faster on repacked words here (``w4a16_gemm.repack_pays``)."""
+        return self.backend == "w4a16-triton" and repack_pays(self.out_features, self.in_features, self.weight.device)
+
+    def set_words(self, repacked: bool) -> bool:
+        """Rewrite ``weight`` in place in ``repack_words``' order (True) or back to the checkpoint's (False), the
+        same codes moved inside each int32 word: the tensor-core gemv decodes a repacked word with rotations (fewer
+        instructions), every W4A16 path reads either order with the same result bit for bit. In place, so that no
+        second copy is held and views of these rows (the separate q / k / v, gate / up modules of a merged weight)
+        see it: the caller sets their ``repacked`` too (``Gemma4ForCausalLM.set_w4a16_words``). Only the
+        w4a16-triton backend reads repacked words. Returns whether the words changed."""
+        repacked = bool(repacked) and self.backend == "w4a16-triton"
+        if repacked == self.repacked:
+            return False
+        with torch.no_grad():
+            self.weight.copy_(repack_words(self.weight) if repacked else unrepack_words(self.weight))
+        self.repacked = repacked
+        return True
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """Checkpoints and ``state_dict()`` hold the standard words. ``keep_vars=True`` hands out the live buffer as
+        it is (the loaders that ``copy_`` into it run before the engine repacks)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.repacked and not keep_vars:
+            destination[prefix + "weight"] = unrepack_words(self.weight)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """A state dict's standard words are stored in this module's order."""
+        key = prefix + "weight"
+        src = state_dict.get(key)
+        if self.repacked and src is not None and src.shape == self.weight.shape:
+            state_dict = {**state_dict, key: repack_words(src.to(self.weight.device))}
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _gs_runs(self) -> tuple[tuple[int, int, float], ...] | None:
         """The global scale as host runs for the prefill GEMM's cuBLAS alpha (``w4a16_gemm(gs_runs=)``), read from
@@ -307,7 +350,7 @@ class Nvfp4Linear(nn.Module):
             runs = self._gs_runs() if self.prefill_alpha and path == "dequant_mm" else None
             counter = self._one_row_counter() if path == "gemv" and x2.shape[0] == 1 and x2.is_cuda else None
             y = w4a16_gemm(x2, self.weight, self.weight_scale, self.weight_scale_2, gs_runs=runs,
-                           split_counter=counter, pdl=self.pdl)  # fmt: skip
+                           split_counter=counter, pdl=self.pdl, repacked=self.repacked)  # fmt: skip
         elif self.backend == "fp4-native":
             y = self._forward_native(x2)
         else:
@@ -330,7 +373,8 @@ class Nvfp4Linear(nn.Module):
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, backend={self.backend}"
+        words = ", words=repacked" if self.repacked else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, backend={self.backend}{words}"
 
 
 def _pad_rows(t: Tensor, multiple: int) -> Tensor:
