@@ -60,6 +60,37 @@ def bench(shapes: list[str]) -> None:
         torch.cuda.empty_cache()
 
 
+def rows(shapes: list[str], ms: list[int]) -> None:
+    """Call 3: M > 1 (the dot path: the engine's c4 step was 1.5 % slower with the repacked words in call 2), both
+    word orders chained, per shape and M."""
+    from perfkit.kernels.stream import CHAIN_CALLS, CHAIN_REPLAYS
+    from perfkit.kernels.timing import graph_sequence_us
+
+    dev = torch.device("cuda")
+    for nk in shapes:
+        N, K = (int(v) for v in nk.split(","))
+        packed, scale, gs, _, gen = W._bench_weights(N, K, torch.bfloat16, 0, "cuda")
+        weights = W._chain_weights(N, K, (packed, scale, gs), torch.bfloat16, "cuda")
+        rp = {w[0].data_ptr(): W.repack_words(w[0]) for w in weights}
+        for M in ms:
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=gen)
+            row = {"N": N, "K": K, "M": M, "path": W.pick_path(M)}
+
+            def std(w, x=x):
+                return W.w4a16_gemm(x, *w)
+
+            def new(w, x=x, rp=rp):
+                return W.w4a16_gemm(x, rp[w[0].data_ptr()], *w[1:], repacked=True)
+
+            row["bit_identical"] = bool(torch.equal(std(weights[0]), new(weights[0])))
+            for rep in range(2):
+                for tag, fn in (("std", std), ("repack", new)):
+                    row[f"{tag}_us_{rep}"] = round(graph_sequence_us(fn, weights, CHAIN_CALLS, CHAIN_REPLAYS), 2)
+            print(json.dumps(row), flush=True)
+        del weights, rp, packed, scale, gs
+        torch.cuda.empty_cache()
+
+
 def ncu(N: int, K: int) -> None:
     dev = torch.device("cuda")
     packed, scale, gs, _, gen = W._bench_weights(N, K, torch.bfloat16, 0, "cuda")
@@ -75,12 +106,15 @@ def ncu(N: int, K: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("bench", "ncu"))
+    ap.add_argument("mode", choices=("bench", "ncu", "rows"))
     ap.add_argument("nk", nargs="*")
     ap.add_argument("--shapes", nargs="*", default=[f"{n},{k}" for n, k in SHAPES])
+    ap.add_argument("--ms", nargs="*", type=int, default=[2, 4, 8, 16])
     args = ap.parse_args()
     if args.mode == "bench":
         bench(args.shapes)
+    elif args.mode == "rows":
+        rows(args.shapes, args.ms)
     else:
         ncu(int(args.nk[0]), int(args.nk[1]))
 
