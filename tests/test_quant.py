@@ -366,7 +366,7 @@ TC = W4A16Config(block_m=1, block_n=64, block_k=64, num_warps=4, num_stages=3, t
 
 
 def _count_tc(monkeypatch) -> list[bool]:
-    """The launches of the tensor-core M = 1 gemv: whether each was given a counter (its splits summed in it)."""
+    """The launches of the tensor-core gemv: whether each was given a counter (its splits summed in it)."""
     return _spy_launches(monkeypatch, "_launch_gemv_tc", lambda args: args[7] is not None)  # the counter
 
 
@@ -443,10 +443,34 @@ def test_w4a16_repacked_words_give_the_same_result(M, path, cfg):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("repacked", [False, True])
+def test_w4a16_gemv_tc_rows_are_each_rows_gemv(repacked, monkeypatch):
+    """The tensor-core gemv at M = 2..16 (row m of x in column m of the MMA's B tile, loaded in memory order and
+    permuted to the K order): each output row equals that row's M = 1 launch bit for bit (the columns of an MMA
+    are summed apart) and the reference within the fp32 bound; 1 or 3 splits summed in the launch, a ragged last
+    K step, per-row global scales, the counter back at zero."""
+    calls = _count_tc(monkeypatch)
+    for M, K, per_row in ((2, 512, False), (16, 1088, True), (7, 256, False)):
+        x, q, s, gs = _operands(M, 80, K, torch.bfloat16, seed=90 + M, per_row_gs=per_row)
+        w = repack_words(q) if repacked else q
+        ref = w4a16_gemm_ref(x, q, s, gs, out_dtype=torch.float32)
+        for split in (1, 3):
+            cfg = dataclasses.replace(TC, block_k=64, split_k=split)
+            counter = new_split_counter(80, DEVICE)
+            out = w4a16_gemm(x, w, s, gs, out_dtype=torch.float32, config=cfg, path="gemv", split_counter=counter,
+                             repacked=repacked)  # fmt: skip
+            rows = [w4a16_gemm(x[i : i + 1], w, s, gs, out_dtype=torch.float32, config=cfg, path="gemv",
+                               repacked=repacked) for i in range(M)]  # fmt: skip
+            assert torch.equal(out, torch.cat(rows)) and not counter.any()
+            torch.testing.assert_close(out, ref, atol=2e-6 * ref.abs().max().item(), rtol=0)
+    assert len(calls) == sum(2 * (1 + M) for M in (2, 16, 7))  # every launch on the tensor-core kernel
+
+
 def test_w4a16_gemv_tc_config_rules(monkeypatch):
-    """pick_config takes the tensor-core tile at M = 1, bf16 x, on tensor cores, from GEMV_TC_MIN_ELEMENTS weight
-    elements and K >= GEMV_TC_MIN_K; a tc tile elsewhere (M > 1, fp16 x) runs the narrow kernel with the same result; bad tc tiles and
-    counters are refused; tc_split fills GEMV_TC_PROGRAMS_PER_SM programs per SM with whole steps."""
+    """pick_config takes the tensor-core tile at M <= GEMV_TC_MAX_M, bf16 x, on tensor cores, from
+    GEMV_TC_MIN_ELEMENTS weight elements and K >= GEMV_TC_MIN_K; a tc tile elsewhere (M > GEMV_TC_MAX_M, fp16 x)
+    runs the narrow kernel with the same result; bad tc tiles and counters are refused; tc_split fills
+    GEMV_TC_PROGRAMS_PER_SM programs per SM with whole steps."""
     import perfkit.kernels.w4a16_gemm as wk
 
     monkeypatch.setattr(wk, "interpreting", lambda: False)
@@ -457,11 +481,13 @@ def test_w4a16_gemv_tc_config_rules(monkeypatch):
     assert pick_config(1, "gemv", torch.bfloat16, 2816, 132, K, tensor_cores=True) is wk.GEMV_CONFIG  # too few
     assert pick_config(1, "gemv", torch.bfloat16, 5376, 132, K) is wk.GEMV_WIDE_DEEP_CONFIG
     assert pick_config(1, "gemv", torch.float16, 5376, 132, K, tensor_cores=True) is wk.GEMV_CONFIG
-    assert pick_config(2, "gemv", torch.bfloat16, 5376, 132, K, tensor_cores=True) is wk.GEMV_CONFIG
+    assert pick_config(16, "gemv", torch.bfloat16, 5376, 132, K, tensor_cores=True) is wk.GEMV_TC_CONFIG
+    assert pick_config(17, "gemv", torch.bfloat16, 5376, 132, K, tensor_cores=True) is wk.GEMV_CONFIG
+    assert pick_config(2, "gemv", torch.bfloat16, 2816, 132, K, tensor_cores=True) is wk.GEMV_CONFIG
     monkeypatch.undo()
     calls = _count_tc(monkeypatch)
     narrow = dataclasses.replace(TC, tc=False)
-    for x, q, s, gs in (_operands(2, 24, 128, torch.bfloat16, seed=70), _operands(1, 24, 128, torch.float16, seed=71)):
+    for x, q, s, gs in (_operands(17, 24, 128, torch.bfloat16, seed=70), _operands(1, 24, 128, torch.float16, seed=71)):
         out = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=TC, path="gemv")
         assert torch.equal(out, w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=narrow, path="gemv"))
     assert calls == []
@@ -494,17 +520,20 @@ from triton.compiler import ASTSource
 from perfkit.kernels import w4a16_gemm as W
 
 sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "gs_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
-       "count_ptr": "*i32"} | dict.fromkeys(("N", "K", "steps", "stride_wn", "stride_sn", "gs_stride"), "i32")
+       "count_ptr": "*i32"} | dict.fromkeys(("M", "stride_xm", "N", "K", "steps", "stride_wn", "stride_sn", "gs_stride"),
+                                            "i32")
 rows = []
-for split, even, fused, pdl, rp in ((1, True, False, 0, 0), (6, True, True, 0, 0), (3, False, True, 0, 0),
-                                    (2, True, False, 0, 0), (6, True, True, 1, 0), (6, True, True, 1, 1)):
+for split, even, fused, pdl, rp, xr in ((1, True, False, 0, 0, 1), (6, True, True, 0, 0, 1), (3, False, True, 0, 0, 1),
+                                        (2, True, False, 0, 0, 1), (6, True, True, 1, 0, 1), (6, True, True, 1, 1, 1),
+                                        (6, True, True, 1, 0, 16), (6, True, True, 1, 1, 16)):
     consts = {"BN": 64, "BK": 256, "SPLIT": split, "EVEN_K": even, "FUSED": fused, "INTERP": False, "PDL": pdl,
-              "RP": rp}
+              "RP": rp, "ROWS": xr}
     try:
         names = list(sig)  # the launch's specialisation at the 31B shapes: pointers, sizes and strides % 16 == 0
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n != "gs_stride"}
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in ("gs_stride", "M")}
+        opts = {"num_warps": 4, "num_stages": 3} | ({"maxnreg": W.GEMV_TC_ROWS_MAX_REGISTERS} if xr > 1 else {})
         k = triton.compile(ASTSource(W._w4a16_gemv_tc_kernel, sig | dict.fromkeys(consts, "constexpr"), consts, attrs),
-                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+                           target=GPUTarget("cuda", 90, 32), options=opts)
         ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
         a_in_regs = "warp_group_dot" in ttgir and "dot_op<{opIdx = 0" in ttgir and "mul.rn.bf16x2" in ptx
         a_in_regs = a_in_regs and ("shf.l.wrap" in ptx) == bool(rp)
@@ -528,10 +557,11 @@ def test_w4a16_gemv_tc_compiles_for_sm90():
     the fused sum counts atomically, no variant spills (no stack), and with whole K steps (every 31B shape) the
     kernel keeps within 128 registers: the 4 programs per SM that ``tc_split`` plans with (127 in the 12-14
     compile; the masked K tail takes 134). Launched with PDL: one wait, the same registers. On repacked words
-    (``repack_words``) the pairs decode by rotations, within the same registers."""
+    (``repack_words``) the pairs decode by rotations, within the same registers. With M > 1 rows of x (ROWS 16,
+    launched with ``maxnreg``) within 128 registers too, without spills."""
     from aot import sm90_rows
 
-    assert sm90_rows(_TC_SM90_COMPILE) == [True] * 6
+    assert sm90_rows(_TC_SM90_COMPILE) == [True] * 8
 
 
 def test_w4a16_split_k_rule():
@@ -1505,6 +1535,35 @@ def test_gpu_engine_tokens_identical_with_repacked_words():
     auto = {k: "repacked" if repack_pays(*map(int, k.split("x")), "cuda") else "standard" for k in words[1]}
     assert words[1] == auto and "repacked" in auto.values() and set(words[0].values()) == {"standard"}
     assert set(words[2].values()) == {"repacked"}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("N,K", [(5376, 21504), (43008, 5376), (5376, 8192)])
+def test_gpu_w4a16_gemv_tc_rows_real_shapes(N, K, monkeypatch):
+    """M = 2..16 on w4a16_gemm's auto path at 31B shapes: the tensor-core gemv takes them (not the dot path), each
+    output row bit for bit its own M = 1 launch, within the reference's fp32 bound; with PDL and in a CUDA graph
+    replayed with new x equal to eager; the counter back at zero."""
+    calls = _count_tc(monkeypatch)
+    gen = torch.Generator().manual_seed(N + K + 1)
+    q, s, gs = (t.cuda() for t in quantize_nvfp4(torch.randn(N, K, generator=gen) * 0.02))
+    counter = new_split_counter(N, "cuda")
+    for M in (2, 4, 9, 16):
+        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        out = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, split_counter=counter, pdl=M == 4)
+        rows = [w4a16_gemm(x[i : i + 1], q, s, gs, out_dtype=torch.float32, split_counter=counter) for i in range(M)]
+        assert torch.equal(out, torch.cat(rows))
+        _assert_w4a16_close(out, x, q, s, gs)
+    assert len(calls) == sum(1 + M for M in (2, 4, 9, 16)) and all(calls) and not counter.any()
+    xs = torch.randn(4, K, device="cuda").to(torch.bfloat16)
+    w4a16_gemm(xs, q, s, gs, split_counter=counter)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = w4a16_gemm(xs, q, s, gs, split_counter=counter)
+    xs.copy_(torch.randn(4, K, device="cuda").to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, w4a16_gemm(xs, q, s, gs, split_counter=counter)) and not counter.any()
 
 
 @pytest.mark.gpu

@@ -54,7 +54,9 @@ the H200 sweep, ``python3 -m perfkit.kernels.w4a16_gemm --sweep``, sets them):
   ``e2m1 * 2^-126``, times the block scale as ``e4m3 * 2^118`` in one bf16x2 multiply: exact), and x is gathered
   in that order into the B tile. 3.7 instructions per weight element; split over K into enough programs, the
   last split of each row block summing the partials in a fixed order in the same launch (a caller-owned counter,
-  ``split_counter``).
+  ``split_counter``). The same kernel takes M up to 16 rows of bf16 x (GEMV_TC_MAX_M; ``w4a16_gemm``'s auto path
+  routes them there from the dot path): row m of x in column m of the MMA's B tile, so the weight is streamed
+  once for all of them.
 - ``dot`` (M between): the same decoded planes, times their block scales, joined in-thread into an exact fp32
   [BLOCK_N, BLOCK_K] tile in K order (the scales broadcast as [BLOCK_N, BLOCK_K/16, 1]: no reshape), cast to x's
   dtype and fed to a tensor-core ``tl.dot`` (fp32 accumulate; BLOCK_M >= 64 compiles to wgmma with the tile staged
@@ -665,25 +667,38 @@ def _tc_tile(w_ptr, s_ptr, rr, stride_wn, stride_sn, k0, K, BN: tl.constexpr, BK
 
 
 @triton.jit
-def _tc_x_tile(x_ptr, k0, K, BK: tl.constexpr):
-    """x's elements of the step at k0 in ``_tc_tile``'s K order, as the MMA's B operand [BK, 16] (every column x:
-    the dot needs N >= 16; column 0 is used); zeros past K."""
+def _tc_x_tile(x_ptr, stride_xm, M, k0, K, BK: tl.constexpr, ROWS: tl.constexpr):
+    """x's elements of the step at k0 in ``_tc_tile``'s K order, as the MMA's B operand [BK, 16] (the dot needs
+    N >= 16): ROWS 1, x's one row in every column (column 0 is used); ROWS 16, row m of x in column m < M, zeros in
+    the others. Zeros past K."""
     k = tl.arange(0, BK)
     b = (k // 16) % 4
     phys = k0 + 64 * (k // 64) + 16 * ((k // 2) % 4) + 8 * (b // 2) + 2 * (b % 2) + (k // 8) % 2 + 4 * (k % 2)
-    xv = tl.load(x_ptr + phys, mask=phys < K, other=0.0)
-    return tl.broadcast_to(xv[:, None], (BK, 16))
+    if ROWS == 1:
+        xv = tl.load(x_ptr + phys, mask=phys < K, other=0.0)
+        return tl.broadcast_to(xv[:, None], (BK, 16))
+    # ROWS 16: rows loaded in memory order (16-byte vectors), then put in the K order above, a permutation of the
+    # bits of k within each 64: logical (b1, b0, k3, k1, k0) holds physical 16 k1 + 8 b1 + 4 k0 + 2 b0 + k3.
+    # Columns past M re-read row M - 1: their products are never stored.
+    C: tl.constexpr = BK // 64
+    kk = k0 + tl.arange(0, BK)
+    xp = x_ptr + tl.minimum(tl.arange(0, 16), M - 1)[:, None] * stride_xm + kk[None, :]
+    xn = tl.load(xp, mask=(kk < K)[None, :], other=0.0)  # [16 (m), BK] in memory order
+    v = tl.permute(tl.reshape(xn, (16, C, 4, 2, 2, 2, 2)), (0, 1, 3, 5, 6, 2, 4))  # [m, C, b1, b0, k3, k1, k0]
+    return tl.trans(tl.reshape(v, (16, BK)))
 
 
 @triton.jit
 def _w4a16_gemv_tc_kernel(
-    x_ptr,  # [1, K] bf16
+    x_ptr,  # [M, K] bf16, M <= 16
     w_ptr,  # [N, K/8] int32 packed weight
     s_ptr,  # [N, K/16] uint8 raw e4m3 block scales
     gs_ptr,  # fp32 global scale: [1] / [N] (gs_stride 0 / 1)
-    out_ptr,  # [1, N]
-    part_ptr,  # SPLIT > 1: fp32 [SPLIT, N] partials
+    out_ptr,  # [M, N]
+    part_ptr,  # SPLIT > 1: fp32 [SPLIT, M, N] partials
     count_ptr,  # FUSED: int32 [cdiv(N, BN)], 0 between launches
+    M,
+    stride_xm,
     N,
     K,
     steps,  # K steps of BK in all: split i takes steps [i * steps // SPLIT, (i + 1) * steps // SPLIT)
@@ -698,8 +713,9 @@ def _w4a16_gemv_tc_kernel(
     INTERP: tl.constexpr,
     PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
     RP: tl.constexpr = 0,  # repacked words (``repack_words``)
+    ROWS: tl.constexpr = 1,  # 1: M = 1, x broadcast to the MMA's 16 columns; 16: M <= 16 rows, one per column
 ):
-    """The M = 1 gemv on the tensor cores (``W4A16Config.tc``): rows [pid * BN, + BN) over split pid_k's share of the K
+    """The M <= 16 gemv on the tensor cores (``W4A16Config.tc``): rows [pid * BN, + BN) over split pid_k's share of the K
     steps, weights on the MMA's M side and x as its N side. The splits differ by at most one step (12-15's splits of
     ceil(steps / SPLIT) left the last one short: 5376 x 8192 ran 6, 6, 6, 6, 6, 2 steps, now 5 and 6; chained with PDL
     14.78 -> 14.09-14.39 us, the other 31B shapes within noise; H200 12-16 ``split_probe.py``). Each step's A operand
@@ -718,23 +734,25 @@ def _w4a16_gemv_tc_kernel(
     acc = tl.zeros((BN, 16), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         a = _tc_tile(w_ptr, s_ptr, rr, stride_wn, stride_sn, k0, K, BN, BK, EVEN_K, INTERP, RP)
-        xb = _tc_x_tile(x_ptr, k0, K, BK)
+        xb = _tc_x_tile(x_ptr, stride_xm, M, k0, K, BK, ROWS)
         if INTERP:
             acc = tl.dot(a, xb.to(tl.float32), acc)
         else:
             acc = tl.dot(a, xb, acc)
-    y = tl.sum(tl.where(col[None, :] == 0, acc, 0.0), axis=1) * 256.0 * tl.load(gs_ptr + rr * gs_stride)
+    y = acc * 256.0 * tl.load(gs_ptr + rr * gs_stride)[:, None]  # [BN, 16]: column m is row m of the output
+    offs = col[None, :] * N + rows[:, None]  # [M, N] (and each split's [M, N] of partials)
+    ok = (rows < N)[:, None] & (col < M)[None, :]
     if SPLIT == 1:
-        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
     else:
-        tl.store(part_ptr + tl.program_id(1) * N + rows, y, mask=rows < N)
+        tl.store(part_ptr + tl.program_id(1) * M * N + offs, y, mask=ok)
         if FUSED:  # the last split of the row block to count sums all partials in a fixed order, then resets
             tl.debug_barrier()  # every thread's partial stored before the release half of the count
             if tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-                tot = tl.zeros((BN,), dtype=tl.float32)
+                tot = tl.zeros((BN, 16), dtype=tl.float32)
                 for i in tl.static_range(SPLIT):  # unrolled: the loads in flight together
-                    tot += tl.load(part_ptr + i * N + rows, mask=rows < N, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + rows, tot.to(out_ptr.dtype.element_ty), mask=rows < N)
+                    tot += tl.load(part_ptr + i * M * N + offs, mask=ok, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + offs, tot.to(out_ptr.dtype.element_ty), mask=ok)
                 tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
 
 
@@ -1024,7 +1042,7 @@ GEMV_WIDE_SHORT_CONFIG = W4A16Config(1, 16, 256, num_warps=4, num_stages=1, pref
 GEMV_WIDE_MIN_PROGRAMS_PER_SM = 2
 GEMV_WIDE_DEEP_PROGRAMS_PER_SM = 4
 GEMV_WIDE_SHORT_PROGRAMS_PER_SM = 12
-# M = 1, bf16 x, sm_90+, N * K >= GEMV_TC_MIN_ELEMENTS and K >= GEMV_TC_MIN_K: the tensor-core gemv, split over K
+# M = 1 (to GEMV_TC_MAX_M), bf16 x, sm_90+, N * K >= GEMV_TC_MIN_ELEMENTS and K >= GEMV_TC_MIN_K: the tensor-core gemv, split over K
 # (``tc_split``), the splits summed in the same launch when the caller passes a counter. H200 12-14
 # (docs/h200-runs/2026-12-14/6-split.jsonl, chained launches over distinct weights, us, wide gemv -> this tile at
 # the split tc_split picks): 5376 x 21504 36.14 -> 28.72, 43008 x 5376 60.13 -> 53.36, 16384 x 5376 26.86 ->
@@ -1038,6 +1056,15 @@ GEMV_TC_MIN_STEPS_PER_SPLIT = 4
 GEMV_TC_FILL_SLACK = 0.15
 GEMV_TC_MIN_ELEMENTS = 16 * 1024 * 1024
 GEMV_TC_MIN_K = 4096
+# M 2-16 with bf16 x on the same shapes: the same kernel with row m of x in column m of the MMA's B operand (M = 1
+# broadcasts its row to the 16 columns the MMA computes anyway), so the weight is streamed once for all rows, as at
+# M = 1. The dot path it replaces re-decodes the weight tile for its 16-row x tile at ~0.7 TB/s (H200 12-17 call
+# 3: 5376 x 21504 at M 2-16 84-85 us, against 28 us for M = 1 on this kernel).
+GEMV_TC_MAX_M = 16
+# Rows > 1 load x as 16-byte vectors (``_tc_x_tile``, staged by cp.async like the weights: the loop 491 SASS against
+# 487 at M = 1) but the compiler then takes 151-153 registers (sm_90, Triton 3.9): 3 programs per SM where
+# ``tc_split`` plans 4. Capped at 128 it compiles without spills.
+GEMV_TC_ROWS_MAX_REGISTERS = 128
 DOT_TINY_CONFIG = W4A16Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 # M 17-64: the swapped tile (weight rows on the wgmma's M side) with the scales a step ahead. H200 12-01i
 # (docs/h200-runs/2026-12-01i/1-w4a16_dot.jsonl, M 32 and 64 x four 31B shapes): geomean 1.055x the per-shape
@@ -1094,18 +1121,20 @@ def pick_config(
 ) -> W4A16Config:
     """The fixed default tile of ``path`` (resolved by M for "auto") for activations of ``dtype``; the dot path's
     by M: 16-row tiles up to M = 16, 64-row up to 64, 128-row beyond (fp32 activations: a smaller FMA tile); the
-    gemv's at M = 1 with bf16 x, given N and the SM count: the tensor-core tile (``tensor_cores``: an sm_90+ GPU)
-    from GEMV_TC_MIN_ELEMENTS weight elements and K >= GEMV_TC_MIN_K, else a wide tile by programs per SM
-    (GEMV_WIDE_*). Under
+    gemv's with bf16 x, given N and the SM count: at M <= GEMV_TC_MAX_M the tensor-core tile (``tensor_cores``: an
+    sm_90+ GPU) from GEMV_TC_MIN_ELEMENTS weight elements and K >= GEMV_TC_MIN_K, else at M = 1 a wide tile by
+    programs per SM (GEMV_WIDE_*). Under
     the CPU interpreter: INTERPRETER_CONFIG, clipped to the problem."""
     path = pick_path(M, path)
     if interpreting():
         return INTERPRETER_CONFIG
     if path == "gemv":
-        if M != 1 or dtype != torch.bfloat16 or N is None or sms is None:
+        if M > GEMV_TC_MAX_M or dtype != torch.bfloat16 or N is None or sms is None:
             return GEMV_CONFIG
         if tensor_cores and K is not None and K >= GEMV_TC_MIN_K and N * K >= GEMV_TC_MIN_ELEMENTS:
             return GEMV_TC_CONFIG
+        if M != 1:
+            return GEMV_CONFIG
         per_sm = triton.cdiv(N, GEMV_WIDE_CONFIG.block_n) / sms
         if per_sm < GEMV_WIDE_MIN_PROGRAMS_PER_SM:
             return GEMV_CONFIG
@@ -1244,7 +1273,7 @@ def _launch_gemv(
     N = words.shape[-2]
     cfg = _fit(cfg, "gemv", M, N, K)
     per_row = expert_ids is not None
-    if cfg.tc and M == 1 and not per_row and x.dtype == torch.bfloat16:
+    if cfg.tc and M <= GEMV_TC_MAX_M and not per_row and x.dtype == torch.bfloat16:
         return _launch_gemv_tc(x, words, scales, gs, gs_stride, out_dtype, cfg, split_counter, pdl, repacked)
     if cfg.wide and M == 1 and not per_row and _x64(x) and K % 32 == 0:
         return _launch_gemv_wide(x, words, scales, gs, gs_stride, out_dtype, cfg, pdl, repacked)
@@ -1330,20 +1359,21 @@ def _launch_gemv_tc(
 ) -> torch.Tensor:
     """The tensor-core gemv; with ``counter`` (int32, zeros, one per row block) the splits are summed in the same
     launch, else by ``_finish_split`` after it (a plain launch). pdl: launched with PDL."""
-    K = x.shape[1]
+    M, K = x.shape
     N = words.shape[0]
     split = tc_split(N, K, cfg, sm_count(x.device))
     blocks = triton.cdiv(N, cfg.block_n)
     fused = split > 1 and counter is not None
     if fused and (counter.dtype != torch.int32 or counter.numel() < blocks or counter.device != x.device):
         raise ValueError(f"split_counter must be int32 on {x.device} with >= {blocks} elements (zeros)")
-    out = torch.empty((1, N), dtype=out_dtype, device=x.device)
-    part = torch.empty((split, 1, N), dtype=torch.float32, device=x.device) if split > 1 else out
+    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    part = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
     _w4a16_gemv_tc_kernel[(blocks, split)](
-        x, words, scales, gs, out, part, counter if fused else words, N, K, triton.cdiv(K, cfg.block_k),
-        words.stride(0), scales.stride(0), gs_stride, BN=cfg.block_n, BK=cfg.block_k, SPLIT=split,
-        EVEN_K=K % cfg.block_k == 0, FUSED=fused, INTERP=interpreting(), RP=int(repacked),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
+        x, words, scales, gs, out, part, counter if fused else words, M, x.stride(0), N, K,
+        triton.cdiv(K, cfg.block_k), words.stride(0), scales.stride(0), gs_stride, BN=cfg.block_n, BK=cfg.block_k,
+        SPLIT=split, EVEN_K=K % cfg.block_k == 0, FUSED=fused, INTERP=interpreting(), RP=int(repacked),
+        ROWS=1 if M == 1 else 16, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
+        **({"maxnreg": GEMV_TC_ROWS_MAX_REGISTERS} if M > 1 and not interpreting() else {}),
     )  # fmt: skip
     return out if split == 1 or fused else _finish_split(part, out)
 
@@ -1523,7 +1553,11 @@ def w4a16_gemm(
     chosen = pick_path(M, path)
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"scale_mode {scale_mode!r}: allowed values are {', '.join(SCALE_MODES)}")
-    cfg = config or pick_config(M, chosen, x.dtype, N, sm_count(x.device), K, tensor_cores_for_gemv(x.device))
+    tc = tensor_cores_for_gemv(x.device)
+    if path == "auto" and chosen == "dot" and config is None and M <= GEMV_TC_MAX_M:  # the tensor-core gemv's rows
+        rows = pick_config(M, "gemv", x.dtype, N, sm_count(x.device), K, tc)
+        chosen = "gemv" if rows.tc else chosen
+    cfg = config or pick_config(M, chosen, x.dtype, N, sm_count(x.device), K, tc)
     _validate_config(cfg, chosen)
     gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device).reshape(-1)
     if gs.numel() not in (1, N):

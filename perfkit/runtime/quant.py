@@ -57,6 +57,7 @@ from perfkit.kernels.fp8_gemv import FP8_GEMV_MAX_M, fp8_gemv
 from perfkit.kernels.launch import capability, interpreting
 from perfkit.kernels.moe import QuantExpertWeights, fused_moe_quantized, gather_w4a16_fits, quantize_experts
 from perfkit.kernels.w4a16_gemm import (
+    GEMV_TC_MAX_M,
     dequantize_nvfp4,
     global_scale_runs,
     new_split_counter,
@@ -348,7 +349,7 @@ class Nvfp4Linear(nn.Module):
         if self.backend == "w4a16-triton":
             path = pick_path(x2.shape[0])
             runs = self._gs_runs() if self.prefill_alpha and path == "dequant_mm" else None
-            counter = self._one_row_counter() if path == "gemv" and x2.shape[0] == 1 and x2.is_cuda else None
+            counter = self._one_row_counter() if x2.shape[0] <= GEMV_TC_MAX_M and x2.is_cuda else None
             y = w4a16_gemm(x2, self.weight, self.weight_scale, self.weight_scale_2, gs_runs=runs,
                            split_counter=counter, pdl=self.pdl, repacked=self.repacked)  # fmt: skip
         elif self.backend == "fp4-native":

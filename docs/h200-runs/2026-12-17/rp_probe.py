@@ -82,9 +82,13 @@ def rows(shapes: list[str], ms: list[int]) -> None:
             def new(w, x=x, rp=rp):
                 return W.w4a16_gemm(x, rp[w[0].data_ptr()], *w[1:], repacked=True)
 
+            def dot(w, x=x):  # call 4: the path M 2-16 took before the tensor-core gemv's rows
+                return W.w4a16_gemm(x, *w, path="dot")
+
             row["bit_identical"] = bool(torch.equal(std(weights[0]), new(weights[0])))
+            row["tc"] = W.pick_config(M, "gemv", x.dtype, N, sm_count(dev), K, W.tensor_cores_for_gemv(dev)).tc
             for rep in range(2):
-                for tag, fn in (("std", std), ("repack", new)):
+                for tag, fn in (("std", std), ("repack", new), ("dot", dot)):
                     row[f"{tag}_us_{rep}"] = round(graph_sequence_us(fn, weights, CHAIN_CALLS, CHAIN_REPLAYS), 2)
             print(json.dumps(row), flush=True)
         del weights, rp, packed, scale, gs
