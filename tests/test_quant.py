@@ -525,7 +525,7 @@ sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "gs_ptr": "*fp32", "ou
 rows = []
 for split, even, fused, pdl, rp, xr in ((1, True, False, 0, 0, 1), (6, True, True, 0, 0, 1), (3, False, True, 0, 0, 1),
                                         (2, True, False, 0, 0, 1), (6, True, True, 1, 0, 1), (6, True, True, 1, 1, 1),
-                                        (6, True, True, 1, 0, 16), (6, True, True, 1, 1, 16)):
+                                        (6, True, True, 1, 0, 16), (6, True, True, 1, 1, 4)):
     consts = {"BN": 64, "BK": 256, "SPLIT": split, "EVEN_K": even, "FUSED": fused, "INTERP": False, "PDL": pdl,
               "RP": rp, "ROWS": xr}
     try:
@@ -557,8 +557,8 @@ def test_w4a16_gemv_tc_compiles_for_sm90():
     the fused sum counts atomically, no variant spills (no stack), and with whole K steps (every 31B shape) the
     kernel keeps within 128 registers: the 4 programs per SM that ``tc_split`` plans with (127 in the 12-14
     compile; the masked K tail takes 134). Launched with PDL: one wait, the same registers. On repacked words
-    (``repack_words``) the pairs decode by rotations, within the same registers. With M > 1 rows of x (ROWS 16,
-    launched with ``maxnreg``) within 128 registers too, without spills."""
+    (``repack_words``) the pairs decode by rotations, within the same registers. With M > 1 rows of x (ROWS 4 and
+    16, launched with ``maxnreg``) within 128 registers too, without spills."""
     from aot import sm90_rows
 
     assert sm90_rows(_TC_SM90_COMPILE) == [True] * 8

@@ -669,23 +669,27 @@ def _tc_tile(w_ptr, s_ptr, rr, stride_wn, stride_sn, k0, K, BN: tl.constexpr, BK
 @triton.jit
 def _tc_x_tile(x_ptr, stride_xm, M, k0, K, BK: tl.constexpr, ROWS: tl.constexpr):
     """x's elements of the step at k0 in ``_tc_tile``'s K order, as the MMA's B operand [BK, 16] (the dot needs
-    N >= 16): ROWS 1, x's one row in every column (column 0 is used); ROWS 16, row m of x in column m < M, zeros in
-    the others. Zeros past K."""
+    N >= 16): ROWS 1, x's one row in every column (column 0 is used); ROWS 2-16, row m of x in column m < M.
+    Zeros past K."""
     k = tl.arange(0, BK)
     b = (k // 16) % 4
     phys = k0 + 64 * (k // 64) + 16 * ((k // 2) % 4) + 8 * (b // 2) + 2 * (b % 2) + (k // 8) % 2 + 4 * (k % 2)
     if ROWS == 1:
         xv = tl.load(x_ptr + phys, mask=phys < K, other=0.0)
         return tl.broadcast_to(xv[:, None], (BK, 16))
-    # ROWS 16: rows loaded in memory order (16-byte vectors), then put in the K order above, a permutation of the
-    # bits of k within each 64: logical (b1, b0, k3, k1, k0) holds physical 16 k1 + 8 b1 + 4 k0 + 2 b0 + k3.
-    # Columns past M re-read row M - 1: their products are never stored.
+    # ROWS > 1: ROWS rows (M <= ROWS; rows past M re-read row M - 1, whose products are never stored) loaded in
+    # memory order (16-byte vectors), then put in the K order above, a permutation of the bits of k within each 64:
+    # logical (b1, b0, k3, k1, k0) holds physical 16 k1 + 8 b1 + 4 k0 + 2 b0 + k3. Column c holds row c % ROWS, so
+    # columns < M are rows 0..M-1; loading ROWS rows, not 16, keeps x's L2 traffic per step at what M needs.
     C: tl.constexpr = BK // 64
     kk = k0 + tl.arange(0, BK)
-    xp = x_ptr + tl.minimum(tl.arange(0, 16), M - 1)[:, None] * stride_xm + kk[None, :]
-    xn = tl.load(xp, mask=(kk < K)[None, :], other=0.0)  # [16 (m), BK] in memory order
-    v = tl.permute(tl.reshape(xn, (16, C, 4, 2, 2, 2, 2)), (0, 1, 3, 5, 6, 2, 4))  # [m, C, b1, b0, k3, k1, k0]
-    return tl.trans(tl.reshape(v, (16, BK)))
+    xp = x_ptr + tl.minimum(tl.arange(0, ROWS), M - 1)[:, None] * stride_xm + kk[None, :]
+    xn = tl.load(xp, mask=(kk < K)[None, :], other=0.0)  # [ROWS (m), BK] in memory order
+    v = tl.permute(tl.reshape(xn, (ROWS, C, 4, 2, 2, 2, 2)), (0, 1, 3, 5, 6, 2, 4))  # [m, C, b1, b0, k3, k1, k0]
+    v = tl.reshape(v, (ROWS, BK))
+    if ROWS < 16:
+        v = tl.reshape(tl.broadcast_to(v[None, :, :], (16 // ROWS, ROWS, BK)), (16, BK))
+    return tl.trans(v)
 
 
 @triton.jit
@@ -713,7 +717,7 @@ def _w4a16_gemv_tc_kernel(
     INTERP: tl.constexpr,
     PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
     RP: tl.constexpr = 0,  # repacked words (``repack_words``)
-    ROWS: tl.constexpr = 1,  # 1: M = 1, x broadcast to the MMA's 16 columns; 16: M <= 16 rows, one per column
+    ROWS: tl.constexpr = 1,  # 1: M = 1, x broadcast to the MMA's 16 columns; 2-16: M <= ROWS rows (a power of 2)
 ):
     """The M <= 16 gemv on the tensor cores (``W4A16Config.tc``): rows [pid * BN, + BN) over split pid_k's share of the K
     steps, weights on the MMA's M side and x as its N side. The splits differ by at most one step (12-15's splits of
@@ -1372,7 +1376,7 @@ def _launch_gemv_tc(
         x, words, scales, gs, out, part, counter if fused else words, M, x.stride(0), N, K,
         triton.cdiv(K, cfg.block_k), words.stride(0), scales.stride(0), gs_stride, BN=cfg.block_n, BK=cfg.block_k,
         SPLIT=split, EVEN_K=K % cfg.block_k == 0, FUSED=fused, INTERP=interpreting(), RP=int(repacked),
-        ROWS=1 if M == 1 else 16, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
+        ROWS=triton.next_power_of_2(M), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
         **({"maxnreg": GEMV_TC_ROWS_MAX_REGISTERS} if M > 1 and not interpreting() else {}),
     )  # fmt: skip
     return out if split == 1 or fused else _finish_split(part, out)
