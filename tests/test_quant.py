@@ -1413,7 +1413,7 @@ def test_gpu_31b_two_layers_quantized_vs_dequantized_bf16(scheme):
     ref16.setup_rope()
     ids = torch.randint(3, 200000, (300,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     with torch.no_grad():
-        for n in (300, 1):  # prefill-shaped (M=300) and decode-shaped (M=1) GEMMs
+        for n in (300, 8, 1):  # prefill-shaped (M=300) and decode-shaped (M=8: the tc gemv's rows; M=1) GEMMs
             l32 = _logits(ref32, ids[:n])
             lq, l16 = _logits(q, ids[:n]), _logits(ref16, ids[:n])
             err, floor = rel(lq, l32), rel(l16, l32)
