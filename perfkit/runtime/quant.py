@@ -22,7 +22,10 @@ Formats
   FP4 path would use it, and that path computes the activation global scale dynamically). Backends:
   ``w4a16-triton`` (sm_80/sm_90, and CPU under ``TRITON_INTERPRET=1``): :func:`w4a16_gemm`;
   ``fp4-native`` (sm_100+ with FlashInfer's ``mm_fp4``; never on sm_90); ``w4a16-ref`` (CPU without the
-  interpreter): dequantise + matmul in torch.
+  interpreter): dequantise + matmul in torch. On w4a16-triton the words may be held repacked
+  (``Nvfp4Linear.set_words``, toggle ``w4a16_words``): the same codes in another bit order inside each int32
+  word, which the tensor-core gemv decodes in fewer instructions; ``state_dict`` still hands out the
+  checkpoint's order.
 - Experts (:class:`QuantizedExperts`): the stacked ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] in
   the same formats (NVFP4: one global scale per expert and per gate/up half, stored per row as
   ``*_weight_scale_2`` [E, N]). Decode (<= 64 token-slots): per-row-expert W4A16 kernel (no host sync) or a
@@ -235,7 +238,7 @@ class Nvfp4Linear(nn.Module):
     # alpha (``w4a16_gemm(gs_runs=)``), instead of an fp32 [M, N] epilogue pass. H200 12-01i
     # (test_gpu_w4a16_prefill_alpha_runs, the 31B gate|up at 8,192 tokens): 2.696 ms against 3.296 ms (-18 %).
     prefill_alpha = True
-    # The M = 1 gemv kernels launch with programmatic dependent launch (``Gemma4Model.set_pdl``, toggle ``pdl``).
+    # The decode-sized gemv kernels launch with programmatic dependent launch (``Gemma4Model.set_pdl``, toggle ``pdl``).
     pdl = False
 
     def __init__(self, in_features: int, out_features: int, device: torch.device | str | None = None):
@@ -333,7 +336,7 @@ class Nvfp4Linear(nn.Module):
         return cached[1]
 
     def _one_row_counter(self) -> Tensor | None:
-        """This weight's int32 counter for the tensor-core gemv at M = 1 (its split-K partials summed in the same
+        """This weight's int32 counter for the tensor-core gemv at M <= 16 (its split-K partials summed in the same
         launch; ``w4a16_gemm(split_counter=)``), made on the first call outside a CUDA-graph capture (the engine's
         eager warmup) and reused; the kernel leaves it at zero, and one module never runs twice at once. None while
         capturing before that: a second launch sums the splits."""
