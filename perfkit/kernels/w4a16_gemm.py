@@ -1661,9 +1661,9 @@ def repack_pays(N: int, K: int, device: torch.device | str) -> bool:
     tensor-core gemv in one wave of programs (at most GEMV_TC_PROGRAMS_PER_SM per SM). H200 12-17 ``rp_probe.py``,
     chained with PDL: the four 31B shapes of one wave 4.8-7.2 % faster (5376 x 8192 14.24 -> 13.56 us), the two of
     more waves 1.6-3.7 % slower (18432 x 5376, 1.6 waves: 25.51 -> 26.41 us). ncu, one launch: 19 % fewer
-    instructions on both kinds; at one wave (16384 x 5376) the SMs' active cycles fall 6.7 % and the launch 6 %, at
-    1.6 waves the active cycles fall 1.6 % and the launch grows 5 %: more of it with SMs idle (the later waves'
-    programs start as slots free, and their ends spread). The other paths decode a word with shifts either way."""
+    instructions on both kinds; at one wave (16384 x 5376) the SMs' active cycles fall 6.7 % and the launch 6 %; at
+    1.6 waves (18432 x 5376) the active cycles stay about the same and the launch grows 5 %: more of it with SMs
+    idle (the later waves' programs start as slots free, and their ends spread). The other paths decode a word with shifts either way."""
     device = torch.device(device)
     if device.type != "cuda" or interpreting() or not tensor_cores_for_gemv(device):
         return False
