@@ -1651,8 +1651,10 @@ def repack_words(weight: torch.Tensor) -> torch.Tensor:
     """uint8 [..., N, K/2] packed NVFP4 (two codes per byte, low nibble first) -> the same codes with each int32
     word's bits permuted (``_RP_FIELDS``), as uint8 of the same shape: the tensor-core gemv decodes a pair of this
     word with one rotation and one mask instead of two shifts and two masks (9 instead of 15 instructions per word;
-    H200 12-16 ``repack_probe.py``: 5-7 % faster chained where the grid is one wave of programs, 1.5-4 % slower
-    where it is more). Every path reads it with ``repacked=True``; ``unrepack_words`` undoes it."""
+    H200 12-16 / 12-17: 5-7 % faster chained where the grid is one wave of programs, 1.5-4 % slower where it is
+    more: ``repack_pays``). Every path reads it with ``repacked=True``, the dot path 1-5 % slower at the same
+    SASS length (12-17 call 3, M 2-16, which now take the tensor-core gemv; in the engine c32 / c64 showed no
+    loss); ``unrepack_words`` undoes it."""
     return _permute_bits(_words(weight), _rp_bit_map()).view(torch.uint8).view(weight.shape)
 
 
