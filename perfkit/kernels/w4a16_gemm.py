@@ -1065,6 +1065,9 @@ GEMV_TC_MIN_K = 4096
 # M = 1. The dot path it replaces re-decodes the weight tile for its 16-row x tile at ~0.7 TB/s (H200 12-17 call
 # 3: 5376 x 21504 at M 2-16 84-85 us, against 28 us for M = 1 on this kernel).
 GEMV_TC_MAX_M = 16
+# At M 2-16 the alternative is the dot path, not the wide gemv that keeps the small products (26B-A4B's K 2816)
+# off the tensor cores at M = 1: every shape takes the tensor-core gemv there (GEMV_TC_ROWS_ANY_SHAPE).
+GEMV_TC_ROWS_ANY_SHAPE = True
 # Rows > 1 load x as 16-byte vectors (``_tc_x_tile``, staged by cp.async like the weights: the loop 491 SASS against
 # 487 at M = 1) but the compiler then takes 151-153 registers (sm_90, Triton 3.9): 3 programs per SM where
 # ``tc_split`` plans 4. Capped at 128 it compiles without spills.
@@ -1135,7 +1138,8 @@ def pick_config(
     if path == "gemv":
         if M > GEMV_TC_MAX_M or dtype != torch.bfloat16 or N is None or sms is None:
             return GEMV_CONFIG
-        if tensor_cores and K is not None and K >= GEMV_TC_MIN_K and N * K >= GEMV_TC_MIN_ELEMENTS:
+        big = K is not None and K >= GEMV_TC_MIN_K and N * K >= GEMV_TC_MIN_ELEMENTS
+        if tensor_cores and (big or (M > 1 and GEMV_TC_ROWS_ANY_SHAPE)):
             return GEMV_TC_CONFIG
         if M != 1:
             return GEMV_CONFIG
