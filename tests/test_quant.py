@@ -468,7 +468,8 @@ def test_w4a16_gemv_tc_rows_are_each_rows_gemv(repacked, monkeypatch):
 
 def test_w4a16_gemv_tc_config_rules(monkeypatch):
     """pick_config takes the tensor-core tile with bf16 x on tensor cores at M = 1 from GEMV_TC_MIN_ELEMENTS weight
-    elements and K >= GEMV_TC_MIN_K, at M 2..GEMV_TC_MAX_M for any shape; a tc tile elsewhere (M > GEMV_TC_MAX_M, fp16 x)
+    elements and K >= GEMV_TC_MIN_K, at M 2..GEMV_TC_MAX_M for any shape of whole K steps; a tc tile elsewhere
+    (M > GEMV_TC_MAX_M, fp16 x)
     runs the narrow kernel with the same result; bad tc tiles and counters are refused; tc_split fills
     GEMV_TC_PROGRAMS_PER_SM programs per SM with whole steps."""
     import perfkit.kernels.w4a16_gemm as wk
@@ -483,7 +484,8 @@ def test_w4a16_gemv_tc_config_rules(monkeypatch):
     assert pick_config(1, "gemv", torch.float16, 5376, 132, K, tensor_cores=True) is wk.GEMV_CONFIG
     assert pick_config(16, "gemv", torch.bfloat16, 5376, 132, K, tensor_cores=True) is wk.GEMV_TC_CONFIG
     assert pick_config(17, "gemv", torch.bfloat16, 5376, 132, K, tensor_cores=True) is wk.GEMV_CONFIG
-    assert pick_config(2, "gemv", torch.bfloat16, 2816, 132, 2112, tensor_cores=True) is wk.GEMV_TC_CONFIG  # any shape
+    assert pick_config(2, "gemv", torch.bfloat16, 4224, 132, 2816, tensor_cores=True) is wk.GEMV_TC_CONFIG  # any shape
+    assert pick_config(2, "gemv", torch.bfloat16, 2816, 132, 2112, tensor_cores=True) is wk.GEMV_CONFIG  # but whole steps
     monkeypatch.undo()
     calls = _count_tc(monkeypatch)
     narrow = dataclasses.replace(TC, tc=False)
@@ -1539,10 +1541,10 @@ def test_gpu_engine_tokens_identical_with_repacked_words():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("N,K", [(5376, 21504), (43008, 5376), (5376, 8192), (4224, 2816), (2816, 2112)])
+@pytest.mark.parametrize("N,K", [(5376, 21504), (43008, 5376), (5376, 8192), (4224, 2816)])
 def test_gpu_w4a16_gemv_tc_rows_real_shapes(N, K, monkeypatch):
-    """M = 2..16 on w4a16_gemm's auto path at 31B and 26B-A4B shapes (K 2816 / 2112: CUDA cores at M = 1, the
-    tensor cores from M = 2; 2112 a masked last step): the tensor-core gemv takes them (not the dot path), each
+    """M = 2..16 on w4a16_gemm's auto path at 31B and 26B-A4B shapes (K 2816: CUDA cores at M = 1, the tensor
+    cores from M = 2): the tensor-core gemv takes them (not the dot path), each
     output row bit for bit its own M = 1 launch of that kernel, within the reference's fp32 bound; with PDL and in
     a CUDA graph replayed with new x equal to eager; the counter back at zero."""
     import perfkit.kernels.w4a16_gemm as wk

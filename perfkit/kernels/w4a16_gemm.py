@@ -1066,7 +1066,11 @@ GEMV_TC_MIN_K = 4096
 # 3: 5376 x 21504 at M 2-16 84-85 us, against 28 us for M = 1 on this kernel).
 GEMV_TC_MAX_M = 16
 # At M 2-16 the alternative is the dot path, not the wide gemv that keeps the small products (26B-A4B's K 2816)
-# off the tensor cores at M = 1: every shape takes the tensor-core gemv there (GEMV_TC_ROWS_ANY_SHAPE).
+# off the tensor cores at M = 1: every shape of whole 256-wide K steps takes the tensor-core gemv there
+# (GEMV_TC_ROWS_ANY_SHAPE). H200 12-17 call 9 (``9-rows26.jsonl``, chained us, tc / dot at M = 2-16): 8192 x 2816
+# 10.5-12.2 / 19.0-19.3, 9216 x 2816 12.8-15.0 / 26.2-26.4, 4224 x 2816 9.9-11.2 / 12.7-12.8, 2816 x 4096 8.3-9.2 /
+# 12.5-12.7, 2816 x 8192 12.0-13.8 / 20.2-20.4; but 2816 x 2112 (a masked last step) 34.4-37.7 / 8.3-8.7: K not a
+# multiple of 256 stays on the dot path (why the masked form is that slow is not known).
 GEMV_TC_ROWS_ANY_SHAPE = True
 # Rows > 1 load x as 16-byte vectors (``_tc_x_tile``, staged by cp.async like the weights: the loop 491 SASS against
 # 487 at M = 1) but the compiler then takes 151-153 registers (sm_90, Triton 3.9): 3 programs per SM where
@@ -1139,7 +1143,8 @@ def pick_config(
         if M > GEMV_TC_MAX_M or dtype != torch.bfloat16 or N is None or sms is None:
             return GEMV_CONFIG
         big = K is not None and K >= GEMV_TC_MIN_K and N * K >= GEMV_TC_MIN_ELEMENTS
-        if tensor_cores and (big or (M > 1 and GEMV_TC_ROWS_ANY_SHAPE)):
+        rows = M > 1 and GEMV_TC_ROWS_ANY_SHAPE and K is not None and K % GEMV_TC_CONFIG.block_k == 0
+        if tensor_cores and (big or rows):
             return GEMV_TC_CONFIG
         if M != 1:
             return GEMV_CONFIG
