@@ -1132,9 +1132,9 @@ def pick_config(
 ) -> W4A16Config:
     """The fixed default tile of ``path`` (resolved by M for "auto") for activations of ``dtype``; the dot path's
     by M: 16-row tiles up to M = 16, 64-row up to 64, 128-row beyond (fp32 activations: a smaller FMA tile); the
-    gemv's with bf16 x, given N and the SM count: at M <= GEMV_TC_MAX_M the tensor-core tile (``tensor_cores``: an
-    sm_90+ GPU) from GEMV_TC_MIN_ELEMENTS weight elements and K >= GEMV_TC_MIN_K, else at M = 1 a wide tile by
-    programs per SM (GEMV_WIDE_*). Under
+    gemv's with bf16 x, given N and the SM count: the tensor-core tile (``tensor_cores``: an sm_90+ GPU) at M = 1
+    from GEMV_TC_MIN_ELEMENTS weight elements and K >= GEMV_TC_MIN_K, at M 2..GEMV_TC_MAX_M for every K of whole
+    steps (GEMV_TC_ROWS_ANY_SHAPE), else at M = 1 a wide tile by programs per SM (GEMV_WIDE_*). Under
     the CPU interpreter: INTERPRETER_CONFIG, clipped to the problem."""
     path = pick_path(M, path)
     if interpreting():
