@@ -1070,7 +1070,8 @@ GEMV_TC_MAX_M = 16
 # (GEMV_TC_ROWS_ANY_SHAPE). H200 12-17 call 9 (``9-rows26.jsonl``, chained us, tc / dot at M = 2-16): 8192 x 2816
 # 10.5-12.2 / 19.0-19.3, 9216 x 2816 12.8-15.0 / 26.2-26.4, 4224 x 2816 9.9-11.2 / 12.7-12.8, 2816 x 4096 8.3-9.2 /
 # 12.5-12.7, 2816 x 8192 12.0-13.8 / 20.2-20.4; but 2816 x 2112 (a masked last step) 34.4-37.7 / 8.3-8.7: K not a
-# multiple of 256 stays on the dot path (why the masked form is that slow is not known).
+# multiple of 256 stays on the dot path (its masked loop keeps 16 plain LDG besides the cp.async loads: 678 SASS
+# against 504, sm_90 compile).
 GEMV_TC_ROWS_ANY_SHAPE = True
 # Rows > 1 load x as 16-byte vectors (``_tc_x_tile``, staged by cp.async like the weights: the loop 491 SASS against
 # 487 at M = 1) but the compiler then takes 151-153 registers (sm_90, Triton 3.9): 3 programs per SM where
