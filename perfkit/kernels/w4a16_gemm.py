@@ -719,8 +719,8 @@ def _w4a16_gemv_tc_kernel(
     RP: tl.constexpr = 0,  # repacked words (``repack_words``)
     ROWS: tl.constexpr = 1,  # 1: M = 1, x broadcast to the MMA's 16 columns; 2-16: M <= ROWS rows (a power of 2)
 ):
-    """The M <= 16 gemv on the tensor cores (``W4A16Config.tc``): rows [pid * BN, + BN) over split pid_k's share of the K
-    steps, weights on the MMA's M side and x as its N side. The splits differ by at most one step (12-15's splits of
+    """The M <= 16 gemv on the tensor cores (``W4A16Config.tc``): rows [pid * BN, + BN) over split pid_k's share of
+    the K steps, weights on the MMA's M side and x's rows as its N side (``_tc_x_tile``). The splits differ by at most one step (12-15's splits of
     ceil(steps / SPLIT) left the last one short: 5376 x 8192 ran 6, 6, 6, 6, 6, 2 steps, now 5 and 6; chained with PDL
     14.78 -> 14.09-14.39 us, the other 31B shapes within noise; H200 12-16 ``split_probe.py``). Each step's A operand
     comes straight from the words a thread loads (``_tc_tile``: the K order is permuted to the MMA fragment's, x
@@ -1046,8 +1046,8 @@ GEMV_WIDE_SHORT_CONFIG = W4A16Config(1, 16, 256, num_warps=4, num_stages=1, pref
 GEMV_WIDE_MIN_PROGRAMS_PER_SM = 2
 GEMV_WIDE_DEEP_PROGRAMS_PER_SM = 4
 GEMV_WIDE_SHORT_PROGRAMS_PER_SM = 12
-# M = 1 (to GEMV_TC_MAX_M), bf16 x, sm_90+, N * K >= GEMV_TC_MIN_ELEMENTS and K >= GEMV_TC_MIN_K: the tensor-core gemv, split over K
-# (``tc_split``), the splits summed in the same launch when the caller passes a counter. H200 12-14
+# M = 1 (to GEMV_TC_MAX_M), bf16 x, sm_90+, N * K >= GEMV_TC_MIN_ELEMENTS and K >= GEMV_TC_MIN_K: the tensor-core
+# gemv, split over K (``tc_split``), the splits summed in the same launch when the caller passes a counter. H200 12-14
 # (docs/h200-runs/2026-12-14/6-split.jsonl, chained launches over distinct weights, us, wide gemv -> this tile at
 # the split tc_split picks): 5376 x 21504 36.14 -> 28.72, 43008 x 5376 60.13 -> 53.36, 16384 x 5376 26.86 ->
 # 22.59, 5376 x 16384 29.12 -> 24.24, 5376 x 8192 16.90 -> 15.12, 8192 x 5376 16.98 -> 13.87, 5376 x 4096 11.03
@@ -1675,7 +1675,8 @@ def repack_pays(N: int, K: int, device: torch.device | str) -> bool:
     more waves 1.6-3.7 % slower (18432 x 5376, 1.6 waves: 25.51 -> 26.41 us). ncu, one launch: 19 % fewer
     instructions on both kinds; at one wave (16384 x 5376) the SMs' active cycles fall 6.7 % and the launch 6 %; at
     1.6 waves (18432 x 5376) the active cycles stay about the same and the launch grows 5 %: more of it with SMs
-    idle (the later waves' programs start as slots free, and their ends spread). The other paths decode a word with shifts either way."""
+    idle (the later waves' programs start as slots free, and their ends spread). The other paths decode a word with
+    shifts either way."""
     device = torch.device(device)
     if device.type != "cuda" or interpreting() or not tensor_cores_for_gemv(device):
         return False
