@@ -141,12 +141,20 @@ def _rotl(w, N: tl.constexpr):
 
 
 @triton.jit
-def _rp_pairs(w):
-    """Repacked uint32 words (``repack_words``) -> the four pairs (codes j, j + 4) as bf16x2 bit patterns before
-    the mask ``0x81C081C0``: each pair's signs at bits 15 / 31 and ``e1 e0 m`` at 8..6 / 24..22, the other bits
-    garbage. Pairs 0-2 by a rotation (6, 3, none); pair 3 isolated, rotated by 25 and multiplied by
-    1 + 2^5 + 2^11 (three shifted copies that do not overlap, so the sum is their OR)."""
-    return _rotl(w, 6), _rotl(w, 3), w, _rotl(w & 0x6C006C00, 25) * 2081
+def _rp_pair(w, J: tl.constexpr):
+    """Repacked uint32 words (``repack_words``) -> pair J (codes J, J + 4) as bf16x2 bit patterns before the mask
+    ``0x81C081C0``: each pair's signs at bits 15 / 31 and ``e1 e0 m`` at 8..6 / 24..22, the other bits garbage.
+    Pairs 0-2 by a rotation (6, 3, none); pair 3 isolated, rotated by 25 and multiplied by 1 + 2^5 + 2^11 (three
+    shifted copies that do not overlap, so the sum is their OR)."""
+    if J == 0:
+        p = _rotl(w, 6)
+    elif J == 1:
+        p = _rotl(w, 3)
+    elif J == 2:
+        p = w
+    else:
+        p = _rotl(w & 0x6C006C00, 25) * 2081
+    return p
 
 
 @triton.jit
@@ -157,8 +165,7 @@ def _e2m1_decode(w, ASM: tl.constexpr, RP: tl.constexpr):
     joined in-thread, so each op runs once for all pairs. ASM (GPU): convert both halves of a word in place
     (without it LLVM re-pairs halves of different words first: ~8 % more SASS)."""
     if RP:  # repacked words: the bf16 placement of each pair, its e1 e0 m 3 bits higher
-        p0, p1, p2, p3 = _rp_pairs(w)
-        a = tl.join(tl.join(p0, p1), tl.join(p2, p3))
+        a = tl.join(tl.join(_rp_pair(w, 0), _rp_pair(w, 1)), tl.join(_rp_pair(w, 2), _rp_pair(w, 3)))
         bits = (a & 0x80008000) | ((a << 3) & 0x0E000E00)
     else:
         a = tl.join(tl.join(w << 12, w << 8), tl.join(w << 4, w))  # [..., 2, 2]: pair j at [..., j % 2, j // 2]
@@ -546,27 +553,12 @@ def _tc_pair_bits(w, SH: tl.constexpr):
 
 
 @triton.jit
-def _tc_rp_bits(w, J: tl.constexpr):
-    """Repacked words -> pair J's bf16x2 bit patterns (``_tc_pair_bits`` of the standard word)."""
-    p0, p1, p2, p3 = _rp_pairs(w)
-    if J == 0:
-        p = p0
-    elif J == 1:
-        p = p1
-    elif J == 2:
-        p = p2
-    else:
-        p = p3
-    return p & 0x81C081C0
-
-
-@triton.jit
 def _tc_pair_f32(w, sf, SH: tl.constexpr, RP: tl.constexpr):
     """The interpreter's form of ``_tc_pair_asm``: the same bf16 bit patterns widened to fp32 (a bf16 is the top half
     of an fp32) times the fp32 scale: the same exact values, [..., 2 (low, high half)] (the interpreter's bf16
     arithmetic is not IEEE)."""
-    if RP:
-        pr = _tc_rp_bits(w, (12 - SH) // 4)
+    if RP:  # repacked words: pair (12 - SH) / 4's bits, as ``_tc_pair_bits`` makes them from the standard word
+        pr = _rp_pair(w, (12 - SH) // 4) & 0x81C081C0
     else:
         pr = _tc_pair_bits(w, SH)
     lo = (pr << 16).to(tl.float32, bitcast=True)
@@ -575,30 +567,31 @@ def _tc_pair_f32(w, sf, SH: tl.constexpr, RP: tl.constexpr):
 
 
 @triton.jit
-def _tc_asm(ws, ss, TEXT: tl.constexpr):
+def _tc_asm(w, sf, TEXT: tl.constexpr):
+    """One PTX block per word and its bf16 scale, the (low, high) pair as bf16 [..., 2]: the word and the scale are
+    each joined with themselves so that ``pack=2`` hands one instance the word ($1) and the scale's bf16x2 ($3): its
+    one output register is the pair in place, which is the MMA operand's register (as separate halves, Triton
+    extracts and re-packs them: 2 PRMT per pair, 12-14)."""
+    ws = tl.join(w, w)
+    ss = tl.join(sf, sf)
     return tl.inline_asm_elementwise(TEXT, "=r,r,r,r", [ws, ss], dtype=tl.bfloat16, is_pure=True, pack=2)
 
 
 @triton.jit
 def _tc_pair_asm(w, sf, SH: tl.constexpr):
-    """GPU: ``_tc_pair_bits`` times the bf16 scale in one PTX block, the (low, high) pair as bf16 [..., 2]. The word
-    and the scale are each joined with themselves so that ``pack=2`` hands one instance the word ($1) and the
-    scale's bf16x2 ($3): its one output register is the pair in place, which is the MMA operand's register (as
-    separate halves, Triton extracts and re-packs them: 2 PRMT per pair, 12-14). The PTX text is passed explicitly
+    """GPU: ``_tc_pair_bits`` times the bf16 scale in one PTX block (``_tc_asm``). The PTX text is passed explicitly
     (a defaulted str constexpr failed on the device's Triton 3.6, 12-08)."""
-    ws = tl.join(w, w)
-    ss = tl.join(sf, sf)
     if SH == 12:
-        y = _tc_asm(ws, ss, "{ .reg .b32 s, m, d; shl.b32 s, $1, 12; shl.b32 m, $1, 6; and.b32 s, s, 0x80008000; "
+        y = _tc_asm(w, sf, "{ .reg .b32 s, m, d; shl.b32 s, $1, 12; shl.b32 m, $1, 6; and.b32 s, s, 0x80008000; "
                             "and.b32 m, m, 0x01C001C0; or.b32 d, s, m; mul.rn.bf16x2 $0, d, $3; }")  # fmt: skip
     elif SH == 8:
-        y = _tc_asm(ws, ss, "{ .reg .b32 s, m, d; shl.b32 s, $1, 8; shl.b32 m, $1, 2; and.b32 s, s, 0x80008000; "
+        y = _tc_asm(w, sf, "{ .reg .b32 s, m, d; shl.b32 s, $1, 8; shl.b32 m, $1, 2; and.b32 s, s, 0x80008000; "
                             "and.b32 m, m, 0x01C001C0; or.b32 d, s, m; mul.rn.bf16x2 $0, d, $3; }")  # fmt: skip
     elif SH == 4:
-        y = _tc_asm(ws, ss, "{ .reg .b32 s, m, d; shl.b32 s, $1, 4; shr.b32 m, $1, 2; and.b32 s, s, 0x80008000; "
+        y = _tc_asm(w, sf, "{ .reg .b32 s, m, d; shl.b32 s, $1, 4; shr.b32 m, $1, 2; and.b32 s, s, 0x80008000; "
                             "and.b32 m, m, 0x01C001C0; or.b32 d, s, m; mul.rn.bf16x2 $0, d, $3; }")  # fmt: skip
     else:
-        y = _tc_asm(ws, ss, "{ .reg .b32 m, d; shr.b32 m, $1, 6; and.b32 d, $1, 0x80008000; "
+        y = _tc_asm(w, sf, "{ .reg .b32 m, d; shr.b32 m, $1, 6; and.b32 d, $1, 0x80008000; "
                             "and.b32 m, m, 0x01C001C0; or.b32 d, d, m; mul.rn.bf16x2 $0, d, $3; }")  # fmt: skip
     return y
 
@@ -608,18 +601,16 @@ def _tc_rp_asm(w, sf, J: tl.constexpr):
     """GPU: ``_tc_pair_asm`` on repacked words (``repack_words``): pair J by one rotation and one mask (pair 3: an
     isolate, a rotation, a multiply and a mask), then the bf16x2 scale multiply. 9 instead of 15 instructions per
     word before the 4 multiplies (sm_90 loop 476 -> 383 SASS per thread and step)."""
-    ws = tl.join(w, w)
-    ss = tl.join(sf, sf)
     if J == 0:
-        y = _tc_asm(ws, ss, "{ .reg .b32 r; shf.l.wrap.b32 r, $1, $1, 6; and.b32 r, r, 0x81C081C0; "
+        y = _tc_asm(w, sf, "{ .reg .b32 r; shf.l.wrap.b32 r, $1, $1, 6; and.b32 r, r, 0x81C081C0; "
                             "mul.rn.bf16x2 $0, r, $3; }")  # fmt: skip
     elif J == 1:
-        y = _tc_asm(ws, ss, "{ .reg .b32 r; shf.l.wrap.b32 r, $1, $1, 3; and.b32 r, r, 0x81C081C0; "
+        y = _tc_asm(w, sf, "{ .reg .b32 r; shf.l.wrap.b32 r, $1, $1, 3; and.b32 r, r, 0x81C081C0; "
                             "mul.rn.bf16x2 $0, r, $3; }")  # fmt: skip
     elif J == 2:
-        y = _tc_asm(ws, ss, "{ .reg .b32 r; and.b32 r, $1, 0x81C081C0; mul.rn.bf16x2 $0, r, $3; }")
+        y = _tc_asm(w, sf, "{ .reg .b32 r; and.b32 r, $1, 0x81C081C0; mul.rn.bf16x2 $0, r, $3; }")
     else:
-        y = _tc_asm(ws, ss, "{ .reg .b32 r; and.b32 r, $1, 0x6C006C00; shf.l.wrap.b32 r, r, r, 25; "
+        y = _tc_asm(w, sf, "{ .reg .b32 r; and.b32 r, $1, 0x6C006C00; shf.l.wrap.b32 r, r, r, 25; "
                             "mul.lo.u32 r, r, 2081; and.b32 r, r, 0x81C081C0; mul.rn.bf16x2 $0, r, $3; }")  # fmt: skip
     return y
 
@@ -1558,7 +1549,7 @@ def w4a16_gemm(
     fp16 x in and out then applies each run as cuBLAS's alpha instead of an fp32 epilogue pass. ``split_counter``
     (the tensor-core gemv's split-K sum in its own launch): ``new_split_counter(N, device)``, owned by the
     caller, never used by two launches at once; the kernel leaves it at zero. Without it a second launch sums.
-    ``pdl``: the M = 1 gemv kernels (tensor-core and wide) launch with programmatic dependent launch
+    ``pdl``: the decode-sized gemv kernels (tensor-core up to GEMV_TC_MAX_M rows, wide at M = 1) launch with PDL
     (perfkit/kernels/pdl.py; sm_90+ only, the caller checks); the other paths launch plainly. ``repacked``: the
     weight's words are in ``repack_words``' bit order (every path reads it; the same result bit for bit)."""
     M, N, K = _check(x, weight, weight_scale)
@@ -1567,11 +1558,14 @@ def w4a16_gemm(
     chosen = pick_path(M, path)
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"scale_mode {scale_mode!r}: allowed values are {', '.join(SCALE_MODES)}")
-    tc = tensor_cores_for_gemv(x.device)
-    if path == "auto" and chosen == "dot" and config is None and M <= GEMV_TC_MAX_M:  # the tensor-core gemv's rows
-        rows = pick_config(M, "gemv", x.dtype, N, sm_count(x.device), K, tc)
-        chosen = "gemv" if rows.tc else chosen
-    cfg = config or pick_config(M, chosen, x.dtype, N, sm_count(x.device), K, tc)
+    cfg = config
+    if cfg is None:
+        sms, tc = sm_count(x.device), tensor_cores_for_gemv(x.device)
+        if path == "auto" and chosen == "dot" and M <= GEMV_TC_MAX_M:  # the tensor-core gemv's rows, where it runs
+            rows = pick_config(M, "gemv", x.dtype, N, sms, K, tc)
+            if rows.tc:
+                chosen, cfg = "gemv", rows
+        cfg = cfg or pick_config(M, chosen, x.dtype, N, sms, K, tc)
     _validate_config(cfg, chosen)
     gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device).reshape(-1)
     if gs.numel() not in (1, N):
@@ -1640,7 +1634,7 @@ def _e2m1_table(device: torch.device) -> torch.Tensor:
 
 # repack_words: the new bit of each field (m, e0, e1, s) of code i of a word (pair j = i % 4; + 16 for i >= 4). Pairs
 # 0-2: magnitudes at 3 j .. 3 j + 2 and the sign 9 bits above (mod 16), so one rotation by 6 - 3 j puts the pair
-# where a bf16x2 of ``e2m1 * 2^-126`` has it; pair 3 takes the four bits left (``_rp_pairs``).
+# where a bf16x2 of ``e2m1 * 2^-126`` has it; pair 3 takes the four bits left (``_rp_pair``).
 _RP_FIELDS = ((0, 1, 2, 9), (3, 4, 5, 12), (6, 7, 8, 15), (13, 14, 10, 11))
 
 
