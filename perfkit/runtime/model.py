@@ -850,21 +850,20 @@ class Gemma4ForCausalLM(nn.Module):
         Returns {"NxK": "repacked" | "standard"} per weight shape of the fused path's NVFP4 weights."""
         if mode not in ("auto", "standard", "repacked"):
             raise ValueError(f"w4a16_words {mode!r}: allowed values are auto, standard, repacked")
-        owners: dict[int, nn.Module] = {}  # weight storage -> the module that decides its order
         decode = [getattr(lin, "module", lin) for layer in self.layers for lin in layer.decode_linears()]
-        for m in [*decode, *self.modules()]:
-            if hasattr(m, "set_words") and m.weight.device.type != "meta":
-                owners.setdefault(m.weight.untyped_storage().data_ptr(), m)
+        decode = [m for m in decode if hasattr(m, "set_words")]  # merged q|k|v / gate|up first: they decide
+        held = [m for m in [*decode, *self.modules()] if hasattr(m, "set_words") and m.weight.device.type != "meta"]
+        owners: dict[int, nn.Module] = {}  # weight storage -> the module that decides its order
+        for m in held:
+            owners.setdefault(m.weight.untyped_storage().data_ptr(), m)
         changed = False
         for m in owners.values():
             changed |= m.set_words(mode == "repacked" or (mode == "auto" and m.repack_pays()))
-        for m in self.modules():
-            if hasattr(m, "set_words") and m.weight.device.type != "meta":
-                m.repacked = owners[m.weight.untyped_storage().data_ptr()].repacked
+        for m in held:
+            m.repacked = owners[m.weight.untyped_storage().data_ptr()].repacked
         if changed and self.device.type == "cuda":
             torch.cuda.empty_cache()  # the rewrite's temporaries: hand them back before the KV sizing
-        return {f"{m.out_features}x{m.in_features}": "repacked" if m.repacked else "standard"
-                for m in decode if hasattr(m, "set_words")}  # fmt: skip
+        return {f"{m.out_features}x{m.in_features}": "repacked" if m.repacked else "standard" for m in decode}
 
     def _down_keys(self) -> set[tuple[int, int, torch.dtype]]:
         """(N, K, dtype) of the merged dense MLPs' plain down weights: the products decode_fusion's GLU form takes."""
