@@ -171,6 +171,69 @@ def test_onehot_rows_are_exact():
     assert (err <= 2.0**-7 * want.abs()).all()
 
 
+TC = Fp8GemvConfig(block_m=1, block_n=64, block_k=64, num_warps=4, num_stages=3, tc=True)
+
+
+def test_tc_gemv_matches_reference_and_each_row_is_its_own_launch():
+    """The tensor-core gemv on e4m3 words (``tc``: the W4A16 kernel's loop, ``_tc_e4m3_tile``): within the bound
+    of the reference at M 1-16 (row m of x in the MMA's column m), rows past N, a ragged last K step (masked), one
+    and several splits summed in the launch (the counter back at zero) or by a second launch; each output row equals
+    that row's M = 1 launch bit for bit (the MMA's columns are summed apart)."""
+    from perfkit.kernels.w4a16_gemm import new_split_counter
+
+    for M, N, K, bk, split in ((1, 80, 256, 64, None), (2, 80, 512, 128, 1), (16, 40, 1088, 128, 3),
+                               (7, 80, 320, 64, 5)):  # fmt: skip
+        x, q, s = _operands(M, N, K, torch.bfloat16, seed=40 + M)
+        cfg = dataclasses.replace(TC, block_k=bk, split_k=split)
+        counter = new_split_counter(N, DEVICE)
+        out = fp8_gemv(x, q, s, config=cfg, split_counter=counter, out_dtype=torch.float32)
+        _assert_close(out, x, q, s)
+        assert not counter.any()
+        rows = torch.cat([fp8_gemv(x[i : i + 1], q, s, config=cfg, out_dtype=torch.float32) for i in range(M)])
+        assert torch.equal(out, rows)
+        assert fp8_gemv(x, q, s, config=cfg).dtype == torch.bfloat16
+
+
+def test_tc_gemv_decode_and_k_order_are_exact():
+    """One-hot rows of x through the tensor-core gemv: every non-NaN byte value in every byte position, each output
+    one exact e4m3 value times its row's scale, rounded once: equal to the reference bit for bit (fp32 output), which
+    holds only if the decoded pair and the gathered x element name the same K position; 1 and 2 splits."""
+    K = 256
+    cols, q, s = _onehot_case(K, DEVICE)
+    x = torch.zeros(16, K, device=DEVICE, dtype=torch.bfloat16)
+    x[torch.arange(16), cols] = 1.0
+    want = fp8_gemv_ref(x, q, s, out_dtype=torch.float32)
+    for split in (1, 2):
+        got = fp8_gemv(x, q, s, config=dataclasses.replace(TC, split_k=split), out_dtype=torch.float32)
+        assert torch.equal(got, want)
+
+
+def test_tc_gemv_config_rules(monkeypatch):
+    """pick_config on a (faked) sm_90 GPU: the tensor-core tile for GEMV_TC_MIN_M..GEMV_TC_MAX_M rows of bf16 x with
+    K of whole 64-wide steps (its 128-wide step where K allows), the CUDA-core tile at M = 1 otherwise, None (the
+    W8A8 path) beyond; without tensor cores one row. A tc tile the kernel cannot take (fp16 x, M > 16) runs the
+    CUDA-core default with the same result; bad tc tiles are refused."""
+    monkeypatch.setattr(fg, "tensor_cores_for_gemv", lambda device: True)
+    monkeypatch.setattr(fg, "interpreting", lambda: False)
+    bf, half = torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(1, 8, dtype=torch.float16)
+    assert fg.pick_config(fg.GEMV_TC_MAX_M, 5376, bf) is fg.GEMV_TC_CONFIG
+    assert fg.pick_config(fg.GEMV_TC_MIN_M, 21504, bf) is fg.GEMV_TC_CONFIG
+    assert fg.pick_config(4, 2112, bf) == dataclasses.replace(fg.GEMV_TC_CONFIG, block_k=64)  # 26B-A4B down
+    assert fg.pick_config(fg.GEMV_TC_MAX_M + 1, 5376, bf) is None
+    assert fg.pick_config(2, 5376 + 16, bf) is None and fg.pick_config(1, 5376 + 16, bf) is GEMV_CONFIG
+    assert fg.pick_config(2, 5376, half) is None and fg.pick_config(1, 5376, half) is GEMV_CONFIG
+    assert fg.gemv_max_m(torch.bfloat16, "cuda") == fg.GEMV_TC_MAX_M and fg.gemv_max_m(torch.float16, "cuda") == 1
+    monkeypatch.setattr(fg, "tensor_cores_for_gemv", lambda device: False)
+    assert fg.pick_config(1, 5376, bf) is GEMV_CONFIG and fg.pick_config(2, 5376, bf) is None
+    monkeypatch.undo()
+    for M, dtype in ((17, torch.bfloat16), (3, torch.float16)):
+        x, q, s = _operands(M, 24, 128, dtype, seed=M)
+        assert torch.equal(fp8_gemv(x, q, s, config=TC), fp8_gemv(x, q, s))
+    for bad in ({"block_n": 8}, {"block_k": 32}):
+        with pytest.raises(ValueError, match="tc: block_n >= 16"):
+            dataclasses.replace(TC, **bad)
+
+
 def test_strided_inputs_views_and_edge_cases():
     x, q, s = _operands(6, 40, 208, torch.bfloat16, seed=5)
     wide = torch.zeros(6, 300, dtype=torch.bfloat16, device=DEVICE)
@@ -336,13 +399,15 @@ def test_main_without_cuda_exits_2(capsys, monkeypatch):
 def test_fp8_linear_routes_decode_rows_to_the_gemv(monkeypatch):
     """Backend fp8-scaled-mm (forced on CPU): flattened M <= FP8_GEMV_MAX_M calls fp8_gemv (weight-only
     numerics), larger M the W8A8 fp8_linear (stubbed: scaled_mm needs a GPU), quantize_input=False at large M the
-    torch reference."""
+    torch reference. With tensor cores (faked) M up to GEMV_TC_MAX_M of bf16 x take the tensor-core gemv, with the
+    module's split counter."""
     calls: list[tuple[str, tuple[int, ...]]] = []
 
-    def gemv(x, w, s, pdl):
+    def gemv(x, w, s, config, pdl, split_counter):
         calls.append(("gemv", tuple(x.shape)))
         assert pdl is False  # the model's pdl flag (set_pdl), off here
-        return fp8_gemv(x, w, s)
+        assert (split_counter is not None) == config.tc
+        return fp8_gemv(x, w, s, config=config, split_counter=split_counter)
 
     def w8a8(x, w, s):
         calls.append(("scaled_mm", tuple(x.shape)))
@@ -368,6 +433,17 @@ def test_fp8_linear_routes_decode_rows_to_the_gemv(monkeypatch):
     m.backend = "fp8-ref"
     m(torch.randn(1, 64))
     assert calls == []
+    m.backend, m.quantize_input = "fp8-scaled-mm", True
+    monkeypatch.setattr(fg, "tensor_cores_for_gemv", lambda device: True)
+    monkeypatch.setattr(fg, "interpreting", lambda: False)  # pick_config's GPU rules; the kernels still interpret
+    for M in (1, fg.GEMV_TC_MAX_M, fg.GEMV_TC_MAX_M + 1):
+        calls.clear()
+        x = torch.randn(M, 64).to(torch.bfloat16)
+        y = m(x)
+        assert calls == [("gemv" if M <= fg.GEMV_TC_MAX_M else "scaled_mm", (M, 64))]
+        if M <= fg.GEMV_TC_MAX_M:
+            _assert_close(y, x, m.weight, m.weight_scale)
+    assert m._split_counter is not None and not m._split_counter.any()
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -380,14 +456,42 @@ def test_fp8_linear_routes_decode_rows_to_the_gemv(monkeypatch):
 @pytest.mark.parametrize("M", [1, 4])
 @pytest.mark.parametrize("N,K", [(5376, 21504), (21504, 5376)])
 def test_gpu_real_shapes_match_reference(M, N, K):
-    """The GPU-only code (inline-PTX e4m3 conversion, the default tile's layout) at the 31B's down and q|k|v
-    shapes: within the bound of the reference; forced split-K bit-reproducible and within the bound too."""
+    """The GPU-only code of the CUDA-core kernel (inline-PTX e4m3 conversion, the default tile's layout) at the
+    31B's down and q|k|v shapes: within the bound of the reference; forced split-K bit-reproducible and within the
+    bound too."""
     x, q, s = _operands(M, N, K, torch.bfloat16, seed=M, device="cuda")
-    _assert_close(fp8_gemv(x, q, s), x, q, s)
+    _assert_close(fp8_gemv(x, q, s, config=GEMV_CONFIG), x, q, s)
     cfg = Fp8GemvConfig(block_m=8, block_n=8, block_k=1024, num_warps=4, split_k=4)
     a = fp8_gemv(x, q, s, config=cfg)
     assert torch.equal(a, fp8_gemv(x, q, s, config=cfg))
     _assert_close(a, x, q, s)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("N,K", [(5376, 21504), (43008, 5376), (5376, 8192), (2816, 2112)])
+def test_gpu_tc_gemv_real_shapes_rows_and_graph(N, K):
+    """The tensor-core gemv on e4m3 words (the GPU's PTX decode: prmt + bf16x2 multiply) at 31B shapes and the
+    26B-A4B's down (64-wide steps): M 1, 3 and 16 within the reference's bound with the splits summed in the launch,
+    each row equal to its M = 1 launch bit for bit, and a CUDA graph of the launch replayed on new x equal to the
+    eager result, the counter back at zero."""
+    from perfkit.kernels.w4a16_gemm import new_split_counter
+
+    for M in (1, 3, 16):
+        x, q, s = _operands(M, N, K, torch.bfloat16, seed=M + N, device="cuda")
+        cfg = fg.pick_config(M, K, x)
+        assert cfg is not None and cfg.tc
+        counter = new_split_counter(N, "cuda")
+        out = fp8_gemv(x, q, s, split_counter=counter, out_dtype=torch.float32)
+        _assert_close(out, x, q, s)
+        rows = torch.cat([fp8_gemv(x[i : i + 1], q, s, config=cfg, out_dtype=torch.float32) for i in range(M)])
+        assert torch.equal(out, rows)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = fp8_gemv(x, q, s, split_counter=counter)
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        assert torch.equal(y, fp8_gemv(x, q, s, split_counter=counter)) and not counter.any()
 
 
 @pytest.mark.gpu
@@ -434,8 +538,9 @@ def test_result_records_the_fp8_decode_gemv_rule():
     def report(backend):
         return QuantReport("fp8", backend, None, 4, 2, 8, 6, 1, 0)
 
-    assert _quant_info(report("fp8-scaled-mm"))["fp8_gemv_max_m"] == FP8_GEMV_MAX_M
-    assert "fp8_gemv_max_m" not in _quant_info(report("fp8-ref"))
+    cpu = _quant_info(report("fp8-scaled-mm"), torch.bfloat16, "cpu")
+    assert cpu["fp8_gemv_max_m"] == FP8_GEMV_MAX_M  # no tensor cores: one row (the CUDA-core gemv)
+    assert "fp8_gemv_max_m" not in _quant_info(report("fp8-ref"), torch.bfloat16, "cpu")
 
 
 @pytest.mark.gpu

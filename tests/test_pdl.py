@@ -208,7 +208,8 @@ def _launchers(dev: str):
         ("w4a16_gemm/tc", lambda p: w4a16_gemm.w4a16_gemm(qkv[:1, :4096], *q4[0][:2], q4[0][2], config=w4a16_gemm.GEMV_TC_CONFIG, split_counter=counter, pdl=p)),  # fmt: skip
         ("w4a16_gemm/wide", lambda p: w4a16_gemm.w4a16_gemm(x, *q4[1][:2], q4[1][2], config=w4a16_gemm.GEMV_WIDE_DEEP_CONFIG, pdl=p)),  # fmt: skip
         ("stream_fold", lambda p: stream.stream_fold(qkv.view(torch.int32).flatten(), pdl=p)),
-        ("fp8_gemv", lambda p: fp8_gemv.fp8_gemv(x, w.to(torch.float8_e4m3fn), scale[:1].expand(4224).contiguous(), pdl=p)),  # fmt: skip
+        ("fp8_gemv", lambda p: fp8_gemv.fp8_gemv(x, w.to(torch.float8_e4m3fn), scale[:1].expand(4224).contiguous(), config=fp8_gemv.GEMV_CONFIG, pdl=p)),  # fmt: skip
+        ("fp8_gemv/tc", lambda p: fp8_gemv.fp8_gemv(qkv[:, :2816], w.to(torch.float8_e4m3fn), scale[:1].expand(4224).contiguous(), config=fp8_gemv.GEMV_TC_CONFIG, split_counter=counter, pdl=p)),  # fmt: skip
     ]
 
 

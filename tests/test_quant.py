@@ -525,11 +525,13 @@ sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "gs_ptr": "*fp32", "ou
        "count_ptr": "*i32"} | dict.fromkeys(("M", "stride_xm", "N", "K", "steps", "stride_wn", "stride_sn", "gs_stride"),
                                             "i32")
 rows = []
-for split, even, fused, pdl, rp, xr in ((1, True, False, 0, 0, 1), (6, True, True, 0, 0, 1), (3, False, True, 0, 0, 1),
-                                        (2, True, False, 0, 0, 1), (6, True, True, 1, 0, 1), (6, True, True, 1, 1, 1),
-                                        (6, True, True, 1, 0, 16), (6, True, True, 1, 1, 4)):
-    consts = {"BN": 64, "BK": 256, "SPLIT": split, "EVEN_K": even, "FUSED": fused, "INTERP": False, "PDL": pdl,
-              "RP": rp, "ROWS": xr}
+for split, even, fused, pdl, rp, xr, fp8 in ((1, True, False, 0, 0, 1, 0), (6, True, True, 0, 0, 1, 0),
+                                             (3, False, True, 0, 0, 1, 0), (2, True, False, 0, 0, 1, 0),
+                                             (6, True, True, 1, 0, 1, 0), (6, True, True, 1, 1, 1, 0),
+                                             (6, True, True, 1, 0, 16, 0), (6, True, True, 1, 1, 4, 0),
+                                             (6, True, True, 1, 0, 1, 1), (6, True, True, 1, 0, 16, 1)):
+    consts = {"BN": 64, "BK": 128 if fp8 else 256, "SPLIT": split, "EVEN_K": even, "FUSED": fused, "INTERP": False,
+              "PDL": pdl, "RP": rp, "ROWS": xr, "FP8": fp8}
     try:
         names = list(sig)  # the launch's specialisation at the 31B shapes: pointers, sizes and strides % 16 == 0
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in ("gs_stride", "M")}
@@ -538,7 +540,7 @@ for split, even, fused, pdl, rp, xr in ((1, True, False, 0, 0, 1), (6, True, Tru
                            target=GPUTarget("cuda", 90, 32), options=opts)
         ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
         a_in_regs = "warp_group_dot" in ttgir and "dot_op<{opIdx = 0" in ttgir and "mul.rn.bf16x2" in ptx
-        a_in_regs = a_in_regs and ("shf.l.wrap" in ptx) == bool(rp)
+        a_in_regs = a_in_regs and ("shf.l.wrap" in ptx) == bool(rp) and (ptx.count("prmt.b32") >= 32) == bool(fp8)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(k.asm["cubin"])
             f.flush()
@@ -560,10 +562,12 @@ def test_w4a16_gemv_tc_compiles_for_sm90():
     kernel keeps within 128 registers: the 4 programs per SM that ``tc_split`` plans with (127 in the 12-14
     compile; the masked K tail takes 134). Launched with PDL: one wait, the same registers. On repacked words
     (``repack_words``) the pairs decode by rotations, within the same registers. With M > 1 rows of x (ROWS 4 and
-    16, launched with ``maxnreg``) within 128 registers too, without spills."""
+    16, launched with ``maxnreg``) within 128 registers too, without spills. On FP8 words (``FP8``, the 128-wide
+    step of ``fp8_gemv.GEMV_TC_CONFIG``) the pairs come from ``prmt`` and the same bf16x2 multiply, M = 1 and 16
+    (84 / 102 registers in the 12-18 compile)."""
     from aot import sm90_rows
 
-    assert sm90_rows(_TC_SM90_COMPILE) == [True] * 8
+    assert sm90_rows(_TC_SM90_COMPILE) == [True] * 10
 
 
 def test_w4a16_split_k_rule():

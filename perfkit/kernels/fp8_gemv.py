@@ -58,6 +58,7 @@ rows x 2048) against 5.7 for the 8-byte 8 x 4 x 1024 tile counted the same way, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -73,7 +74,8 @@ from perfkit.kernels.launch import capability, interpreting, sm_count
 from perfkit.kernels.pdl import pdl_enter, pdl_launch
 from perfkit.kernels.stream import chain_args, chain_columns, stream_chain_us, stream_read_ms
 from perfkit.kernels.timing import graph_ms
-from perfkit.kernels.w4a16_gemm import HBM_BYTES_PER_S, _finish_split
+from perfkit.kernels.w4a16_gemm import HBM_BYTES_PER_S, W4A16Config, _finish_split, _launch_gemv_tc, tensor_cores_for_gemv
+from perfkit.kernels.w4a16_gemm import _fit as _fit_w4a16
 
 # The largest flattened M that Fp8Linear (backend fp8-scaled-mm) sends to fp8_gemv instead of the W8A8
 # scaled_mm path, from the H200 sweep (`python3 -m perfkit.kernels.fp8_gemv --sweep`, 12-01c): summed over the
@@ -258,7 +260,10 @@ class Fp8GemvConfig:
     chosen from the grid and the SM count, 1 = never, S = at most S splits. ``group``: K elements each thread
     holds per row and step, 8 (two words, one 8-byte load) or 16 (four words, one 16-byte load, x as two 16-byte
     loads; the form that took the W4A16 gemv from 51-62 % to 59-66 % of the read ceiling; keep block_k a multiple
-    of 512 * num_warps for it). Sizes are powers of two (ValueError otherwise)."""
+    of 512 * num_warps for it). ``tc``: the tensor-core gemv instead (``w4a16_gemm._w4a16_gemv_tc_kernel`` on e4m3
+    words: block_n weight rows as the MMA's M side, >= 16; block_k >= 64; num_stages its cp.async stages; block_m
+    and group unused); it takes bf16 x on sm_90+ (and the interpreter), other x runs the CUDA-core kernel's default
+    tile. Sizes are powers of two (ValueError otherwise)."""
 
     block_m: int
     block_n: int
@@ -267,16 +272,17 @@ class Fp8GemvConfig:
     num_stages: int = 1
     split_k: int | None = None
     group: int = 8
+    tc: bool = False
 
     def __post_init__(self) -> None:
         ok = all(_pow2(v) for v in (self.block_m, self.block_n, self.block_k, self.num_warps))
         ok = ok and self.block_k >= 16 and isinstance(self.num_stages, int) and self.num_stages >= 1
         ok = ok and (self.split_k is None or (isinstance(self.split_k, int) and self.split_k >= 1))
-        ok = ok and self.group in (8, 16)
+        ok = ok and self.group in (8, 16) and (not self.tc or (self.block_n >= 16 and self.block_k >= 64))
         if not ok:
             raise ValueError(
                 f"bad Fp8GemvConfig {self}: block_m, block_n, block_k and num_warps must be powers of two, "
-                "block_k >= 16, num_stages >= 1, split_k None or >= 1, group 8 or 16"
+                "block_k >= 16, num_stages >= 1, split_k None or >= 1, group 8 or 16; tc: block_n >= 16, block_k >= 64"
             )
 
 
@@ -294,12 +300,44 @@ class Fp8GemvConfig:
 GEMV_CONFIG = Fp8GemvConfig(block_m=2, block_n=2, block_k=2048, num_warps=4, num_stages=1, group=16)
 # The CPU interpreter runs one program at a time in Python (cost ~ programs x ops): one wide tile per problem.
 INTERPRETER_CONFIG = Fp8GemvConfig(block_m=8, block_n=64, block_k=128, num_warps=4, num_stages=1)
+# M 1..GEMV_TC_MAX_M with bf16 x on sm_90+, K of whole steps: the tensor-core gemv on e4m3 words (the W4A16 one's
+# loop, ``_tc_e4m3_tile``), 64 weight rows x 128 K per step: the same 8 KB of weight per step and stage as the
+# W4A16 tile's 256 K of 4-bit codes. Why: at M > 1 the CUDA-core kernel pays one FMA per weight byte and row, and
+# the W8A8 scaled_mm path quantises x per token in extra launches: 31B FP8 c4 TPOT 21.31 ms against 17.86 for
+# bf16 (H200 12-17 ``8-h200_quant.json``).
+GEMV_TC_CONFIG = Fp8GemvConfig(block_m=1, block_n=64, block_k=128, num_warps=4, num_stages=3, tc=True)
+GEMV_TC_MAX_M = 16
+GEMV_TC_MIN_M = 1
 INLINE_ASM_CVT = True  # GPU sm_89+: inline-PTX e4m3 -> fp32 (False: Triton's own conversion)
 
 
 def default_config() -> Fp8GemvConfig:
     """GEMV_CONFIG, or INTERPRETER_CONFIG under the CPU interpreter."""
     return INTERPRETER_CONFIG if interpreting() else GEMV_CONFIG
+
+
+def _tc_fits(M: int, x: torch.Tensor) -> bool:
+    """Whether the tensor-core gemv can take these rows: bf16 x (the MMA's B operand), at most GEMV_TC_MAX_M rows
+    (the MMA's 16 columns), on an sm_90+ GPU or the interpreter (its fp32 form)."""
+    return x.dtype == torch.bfloat16 and M <= GEMV_TC_MAX_M and (interpreting() or tensor_cores_for_gemv(x.device))
+
+
+def gemv_max_m(x_dtype: torch.dtype, device: torch.device | str) -> int:
+    """The most rows ``Fp8Linear`` sends to ``fp8_gemv`` (K a multiple of 64): GEMV_TC_MAX_M for bf16 x on sm_90+,
+    else FP8_GEMV_MAX_M. Recorded in results (``fp8_gemv_max_m``)."""
+    tc = x_dtype == torch.bfloat16 and not interpreting() and tensor_cores_for_gemv(torch.device(device))
+    return GEMV_TC_MAX_M if tc else FP8_GEMV_MAX_M
+
+
+def pick_config(M: int, K: int, x: torch.Tensor) -> Fp8GemvConfig | None:
+    """The tile ``fp8_gemv`` runs for M rows of x at reduction length K: GEMV_TC_CONFIG for GEMV_TC_MIN_M..
+    GEMV_TC_MAX_M rows of bf16 x on sm_90+ with K of whole steps (64-wide steps where K is a multiple of 64 but
+    not of its 128: the 26B-A4B's 2112), else the CUDA-core tile up to FP8_GEMV_MAX_M rows; None beyond: the
+    product is not a decode gemv (``Fp8Linear`` then runs W8A8 ``scaled_mm``)."""
+    if GEMV_TC_MIN_M <= M and not interpreting() and _tc_fits(M, x) and K % 64 == 0:
+        bk = GEMV_TC_CONFIG.block_k
+        return GEMV_TC_CONFIG if K % bk == 0 else dataclasses.replace(GEMV_TC_CONFIG, block_k=64)
+    return default_config() if M <= FP8_GEMV_MAX_M else None
 
 
 def _has_fp8_cvt(device: torch.device) -> bool:
@@ -368,33 +406,47 @@ def fp8_gemv(
     weight_scale: torch.Tensor,
     config: Fp8GemvConfig | None = None,
     pdl: bool = False,
+    split_counter: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``x [M, K] @ dequant(weight [N, K])^T -> [M, N]`` in x's dtype, weight-only (x not quantised; format,
-    tiling and numerics: module docstring). x: bf16 / fp16 / fp32, rows may be strided (a copy is made only if
-    its K stride is not 1); weight float8_e4m3fn [N, K] with unit stride along K; weight_scale fp32 [N].
-    ``config``: the tile (default ``default_config()``). No host sync: CUDA-graph capturable. CUDA: sm_89+ (Triton's
-    float8e4nv conversions; the FP8 linears need it anyway). pdl: launch with programmatic dependent launch
-    (perfkit/kernels/pdl.py; sm_90+ only, the caller checks); a split-K sum after it launches plainly."""
+    """``x [M, K] @ dequant(weight [N, K])^T -> [M, N]`` in ``out_dtype`` (bf16 / fp16 / fp32, default x's dtype),
+    weight-only (x not quantised; format, tiling and numerics: module docstring). x: bf16 / fp16 / fp32, rows may be
+    strided (a copy is made only if its K stride is not 1); weight float8_e4m3fn [N, K] with unit stride along K;
+    weight_scale fp32 [N]. ``config``: the tile (default ``pick_config``, the CUDA-core ``default_config()`` where it
+    has none; a tc tile the tensor-core gemv cannot take runs the CUDA-core default). No host sync: CUDA-graph
+    capturable. CUDA: sm_89+ (Triton's float8e4nv conversions; the FP8 linears need it anyway). pdl: launch with
+    programmatic dependent launch (perfkit/kernels/pdl.py; sm_90+ only, the caller checks); a split-K sum after it
+    launches plainly. ``split_counter``: the tensor-core gemv's splits summed in its own launch
+    (``w4a16_gemm.new_split_counter(N, device)``, owned by the caller, never shared by two launches at once)."""
     M, N, K = _check(x, weight, weight_scale)
     if x.device.type == "cuda" and not interpreting() and not _has_fp8_cvt(x.device):
         raise RuntimeError(
             f"fp8_gemv needs an sm_89+ GPU (e4m3 conversions), got {torch.cuda.get_device_name(x.device)}"
         )
-    cfg = config or default_config()
+    if out_dtype is not None and out_dtype not in X_DTYPES:
+        raise ValueError(f"out_dtype must be bf16 / fp16 / fp32, got {out_dtype}")
+    cfg = config or pick_config(M, K, x) or default_config()
     if not isinstance(cfg, Fp8GemvConfig):
         raise ValueError(f"config must be an Fp8GemvConfig, got {type(cfg).__name__}")
+    if cfg.tc and not _tc_fits(M, x):
+        cfg = default_config()
+    out_dtype = out_dtype or x.dtype
     if M == 0 or N == 0:
-        return torch.empty((M, N), dtype=x.dtype, device=x.device)
+        return torch.empty((M, N), dtype=out_dtype, device=x.device)
     if K == 0:
-        return torch.zeros((M, N), dtype=x.dtype, device=x.device)
+        return torch.zeros((M, N), dtype=out_dtype, device=x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
     scale = weight_scale.contiguous()
     words = _words(weight)  # [N, K/4] int32
+    if cfg.tc:
+        tile = W4A16Config(1, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, split_k=cfg.split_k, tc=True)
+        tile = _fit_w4a16(tile, "gemv", M, N, K)  # clipped to tiny problems as the W4A16 tc tile is
+        return _launch_gemv_tc(x, words, words, scale, 1, out_dtype, tile, split_counter, pdl, fp8=True)
     bm, bn, bk = _fit(cfg, M, N, K)
     grid_n, grid_m = triton.cdiv(N, bn), triton.cdiv(M, bm)
     split, k_per_split = _split_k(cfg, bk, x.device, grid_n * grid_m, K)
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
     target = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     _fp8_gemv_kernel[(grid_n, split, grid_m)](
         x, words, scale, target,

@@ -658,6 +658,77 @@ def _tc_tile(w_ptr, s_ptr, rr, stride_wn, stride_sn, k0, K, BN: tl.constexpr, BK
 
 
 @triton.jit
+def _tc_e4m3_asm(a, b, TEXT: tl.constexpr):
+    """One PTX block per pair of FP8 words, its bf16x2 result in place (each word joined with itself as in
+    ``_tc_asm``, pack=2: $1 and $3 are the words, $0 the MMA operand's register)."""
+    return tl.inline_asm_elementwise(TEXT, "=r,r,r,r,r", [tl.join(a, a), tl.join(b, b)], dtype=tl.bfloat16,
+                                     is_pure=True, pack=2)  # fmt: skip
+
+
+@triton.jit
+def _tc_e4m3_pair_asm(a, b, J: tl.constexpr):
+    """GPU, FP8 words: byte J of word ``a`` (low half) and of word ``b`` (high half) as one bf16x2, exact: one
+    ``prmt`` puts the bytes at bits 8..15 / 24..31, each sign stays at bit 15 / 31 and ``eeee mmm`` moves to bits
+    4..10 / 20..26 (a bf16 of value ``e4m3 * 2^-120``, subnormal for e4m3's subnormals), then one bf16x2 multiply by
+    2^120 (0x7B80) makes each half the e4m3 value itself, a normal bf16. The PTX differs only in prmt's selector."""
+    if J == 0:
+        y = _tc_e4m3_asm(a, b, "{ .reg .b32 t, u, c; prmt.b32 t, $1, $3, 0x4000; shr.b32 u, t, 4; "
+                               "and.b32 u, u, 0x07F007F0; and.b32 t, t, 0x80008000; or.b32 t, t, u; "
+                               "mov.b32 c, 0x7B807B80; mul.rn.bf16x2 $0, t, c; }")  # fmt: skip
+    elif J == 1:
+        y = _tc_e4m3_asm(a, b, "{ .reg .b32 t, u, c; prmt.b32 t, $1, $3, 0x5010; shr.b32 u, t, 4; "
+                               "and.b32 u, u, 0x07F007F0; and.b32 t, t, 0x80008000; or.b32 t, t, u; "
+                               "mov.b32 c, 0x7B807B80; mul.rn.bf16x2 $0, t, c; }")  # fmt: skip
+    elif J == 2:
+        y = _tc_e4m3_asm(a, b, "{ .reg .b32 t, u, c; prmt.b32 t, $1, $3, 0x6020; shr.b32 u, t, 4; "
+                               "and.b32 u, u, 0x07F007F0; and.b32 t, t, 0x80008000; or.b32 t, t, u; "
+                               "mov.b32 c, 0x7B807B80; mul.rn.bf16x2 $0, t, c; }")  # fmt: skip
+    else:
+        y = _tc_e4m3_asm(a, b, "{ .reg .b32 t, u, c; prmt.b32 t, $1, $3, 0x7030; shr.b32 u, t, 4; "
+                               "and.b32 u, u, 0x07F007F0; and.b32 t, t, 0x80008000; or.b32 t, t, u; "
+                               "mov.b32 c, 0x7B807B80; mul.rn.bf16x2 $0, t, c; }")  # fmt: skip
+    return y
+
+
+@triton.jit
+def _tc_e4m3_pair_f32(a, b, J: tl.constexpr):
+    """The interpreter's form of ``_tc_e4m3_pair_asm``: byte J of ``a`` and of ``b`` as exact fp32, [..., 2]."""
+    lo = ((a >> (8 * J)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    hi = ((b >> (8 * J)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _tc_e4m3_tile(w_ptr, rr, stride_wn, k0, K, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                  INTERP: tl.constexpr):  # fmt: skip
+    """``_tc_tile`` for FP8 (e4m3) weights read as int32 words [N, K/4], in the same permuted K order, so that
+    ``_tc_x_tile`` serves both: thread t's 16 bytes of a 64-wide chunk are words (t, 2 w + p), and byte j of words
+    2 w and 2 w + 1 is the pair of logical k 16 (2 w + j // 2) + 8 (j % 2) + 2 t + (0, 1) (the W4A16 word's codes j
+    and j + 4 sit at the same physical offsets, 4 apart). The values are the e4m3 values themselves (the per-row
+    scale is the kernel's epilogue), exact in bf16 (fp32 under the interpreter)."""
+    C: tl.constexpr = BK // 64
+    wofs = k0 // 4 + tl.arange(0, BK // 4)
+    wp = w_ptr + rr[:, None] * stride_wn + wofs[None, :]
+    if EVEN_K:
+        words = tl.load(wp)
+    else:
+        words = tl.load(wp, mask=wofs[None, :] < K // 4, other=0)
+    a, b = tl.split(tl.reshape(words.to(tl.uint32, bitcast=True), (BN, C, 4, 2, 2)))  # [BN, C, t, w] for p = 0, 1
+    if INTERP:
+        v0 = _tc_e4m3_pair_f32(a, b, 0)  # j = 0: [BN, C, t, w, 2 (p)]
+        v1 = _tc_e4m3_pair_f32(a, b, 1)
+        v2 = _tc_e4m3_pair_f32(a, b, 2)
+        v3 = _tc_e4m3_pair_f32(a, b, 3)
+    else:
+        v0 = _tc_e4m3_pair_asm(a, b, 0)
+        v1 = _tc_e4m3_pair_asm(a, b, 1)
+        v2 = _tc_e4m3_pair_asm(a, b, 2)
+        v3 = _tc_e4m3_pair_asm(a, b, 3)
+    v = tl.join(tl.join(v0, v1), tl.join(v2, v3))  # [BN, C, t, w, p, j % 2, j // 2]
+    return tl.reshape(tl.permute(v, (0, 1, 3, 6, 5, 2, 4)), (BN, BK))  # [BN, C, w, j // 2, j % 2, t, p]
+
+
+@triton.jit
 def _tc_x_tile(x_ptr, stride_xm, M, k0, K, BK: tl.constexpr, ROWS: tl.constexpr):
     """x's elements of the step at k0 in ``_tc_tile``'s K order, as the MMA's B operand [BK, 16] (the dot needs
     N >= 16): ROWS 1, x's one row in every column (column 0 is used); ROWS 2-16, row m of x in column m < M.
@@ -709,6 +780,7 @@ def _w4a16_gemv_tc_kernel(
     PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
     RP: tl.constexpr = 0,  # repacked words (``repack_words``)
     ROWS: tl.constexpr = 1,  # 1: M = 1, x broadcast to the MMA's 16 columns; 2-16: M <= ROWS rows (a power of 2)
+    FP8: tl.constexpr = 0,  # 1: e4m3 weights, w_ptr int32 [N, K/4], gs_ptr their fp32 per-row scales, s_ptr unused
 ):
     """The M <= 16 gemv on the tensor cores (``W4A16Config.tc``): rows [pid * BN, + BN) over split pid_k's share of
     the K steps, weights on the MMA's M side and x's rows as its N side (``_tc_x_tile``). The splits differ by at most one step (12-15's splits of
@@ -718,7 +790,9 @@ def _w4a16_gemv_tc_kernel(
     gathered in the same order), so the multiply-add costs nothing per element; what is left is ~2.5 instructions per
     element of decode and block scale (3.7 per element in the loop against the wide CUDA-core gemv's 5.8, sm_90
     compile). With PDL the wait is at the top: asking L2 for the program's first weight steps before it tied (2 steps)
-    or made the chained launch slower (4-8 steps; H200 12-15, ``h200-runs/2026-12-15/pdl_probe.py``)."""
+    or made the chained launch slower (4-8 steps; H200 12-15, ``h200-runs/2026-12-15/pdl_probe.py``). FP8: the same
+    loop on e4m3 words (``_tc_e4m3_tile``, in the same K order), the per-row scale in the epilogue: the weight-only
+    FP8 gemv of ``perfkit.kernels.fp8_gemv`` at M 1-16."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     k_lo = tl.multiple_of((tl.program_id(1) * steps // SPLIT) * BK, BK)
@@ -728,13 +802,19 @@ def _w4a16_gemv_tc_kernel(
     col = tl.arange(0, 16)
     acc = tl.zeros((BN, 16), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
-        a = _tc_tile(w_ptr, s_ptr, rr, stride_wn, stride_sn, k0, K, BN, BK, EVEN_K, INTERP, RP)
+        if FP8:
+            a = _tc_e4m3_tile(w_ptr, rr, stride_wn, k0, K, BN, BK, EVEN_K, INTERP)
+        else:
+            a = _tc_tile(w_ptr, s_ptr, rr, stride_wn, stride_sn, k0, K, BN, BK, EVEN_K, INTERP, RP)
         xb = _tc_x_tile(x_ptr, stride_xm, M, k0, K, BK, ROWS)
         if INTERP:
             acc = tl.dot(a, xb.to(tl.float32), acc)
         else:
             acc = tl.dot(a, xb, acc)
-    y = acc * 256.0 * tl.load(gs_ptr + rr * gs_stride)[:, None]  # [BN, 16]: column m is row m of the output
+    if FP8:
+        y = acc * tl.load(gs_ptr + rr * gs_stride)[:, None]  # [BN, 16]: column m is row m of the output
+    else:
+        y = acc * 256.0 * tl.load(gs_ptr + rr * gs_stride)[:, None]  # the tile's 2^-8 undone with the global scale
     offs = col[None, :] * N + rows[:, None]  # [M, N] (and each split's [M, N] of partials)
     ok = (rows < N)[:, None] & (col < M)[None, :]
     if SPLIT == 1:
@@ -1361,9 +1441,11 @@ def _launch_gemv_tc(
     counter: torch.Tensor | None,
     pdl: bool = False,
     repacked: bool = False,
+    fp8: bool = False,
 ) -> torch.Tensor:
     """The tensor-core gemv; with ``counter`` (int32, zeros, one per row block) the splits are summed in the same
-    launch, else by ``_finish_split`` after it (a plain launch). pdl: launched with PDL."""
+    launch, else by ``_finish_split`` after it (a plain launch). pdl: launched with PDL. fp8: ``words`` are e4m3
+    weights as int32 [N, K/4], ``gs`` their per-row scales (gs_stride 1), ``scales`` unused."""
     M, K = x.shape
     N = words.shape[0]
     split = tc_split(N, K, cfg, sm_count(x.device))
@@ -1377,7 +1459,8 @@ def _launch_gemv_tc(
         x, words, scales, gs, out, part, counter if fused else words, M, x.stride(0), N, K,
         triton.cdiv(K, cfg.block_k), words.stride(0), scales.stride(0), gs_stride, BN=cfg.block_n, BK=cfg.block_k,
         SPLIT=split, EVEN_K=K % cfg.block_k == 0, FUSED=fused, INTERP=interpreting(), RP=int(repacked),
-        ROWS=triton.next_power_of_2(M), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
+        ROWS=triton.next_power_of_2(M), FP8=int(fp8), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_launch(pdl),
         **({"maxnreg": GEMV_TC_ROWS_MAX_REGISTERS} if M > 1 and not interpreting() else {}),
     )  # fmt: skip
     return out if split == 1 or fused else _finish_split(part, out)

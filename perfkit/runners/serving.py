@@ -26,7 +26,7 @@ from perfkit.capture.ranges import DEVICE_RANGES, RangeRecorder
 from perfkit.capture.syncs import SyncCounter
 from perfkit.capture.telemetry import TelemetrySampler
 from perfkit.config import ModelConfig, RunConfig, ScenarioConfig, Toggles
-from perfkit.kernels.fp8_gemv import FP8_GEMV_MAX_M
+from perfkit.kernels.fp8_gemv import gemv_max_m as fp8_gemv_max_m
 from perfkit.results import RooflineSection, ScenarioResult
 from perfkit.roofline import MEASURED_H200, get_gpu_peak, match_gpu, roofline_section
 from perfkit.runners.inprocess import drive
@@ -82,8 +82,8 @@ class ServingTarget:
             why = {
                 "w4a16-triton": "NVFP4 weights through the W4A16 Triton GEMM (no FP4 tensor cores on this GPU)",
                 "fp4-native": "NVFP4 weights on FP4 tensor cores (FlashInfer)",
-                "fp8-scaled-mm": f"FP8 weights: rows of M <= {FP8_GEMV_MAX_M} through the weight-only Triton GEMV, "
-                "larger M W8A8 through torch._scaled_mm",
+                "fp8-scaled-mm": f"FP8 weights: rows of M <= {q.get('fp8_gemv_max_m', 1)} through the weight-only "
+                "Triton GEMV, larger M W8A8 through torch._scaled_mm",
             }.get(q["quant_backend"], f"{q['scheme']} weights via {q['quant_backend']}")
             quant_line = f"\n  quant: {why} (quant_backend {q['quant_backend']})"
         return (
@@ -399,13 +399,13 @@ def load_target(
         telemetry=telemetry,
         token_space=TokenSpace.from_model_config(model_cfg),
         setup_s=setup,
-        quant=_quant_info(quant),
+        quant=_quant_info(quant, _DTYPES[mcfg.dtype], device),
         tp=tp,
         tp_summary=tp_summary(model),
     )
 
 
-def _quant_info(report: Any) -> dict[str, Any]:
+def _quant_info(report: Any, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
     """What ran for the weights: recorded in every scenario's `runtime.quant` and printed at load."""
     if report is None:
         return {"scheme": "bf16", "backend": "dense"}
@@ -418,5 +418,5 @@ def _quant_info(report: Any) -> dict[str, Any]:
         "model_bytes_after": report.model_bytes_after,
         "kept": report.kept,
         # fp8-scaled-mm: rows of M <= this take the weight-only GEMV (decode), larger M W8A8 scaled_mm
-        **({"fp8_gemv_max_m": FP8_GEMV_MAX_M} if report.backend == "fp8-scaled-mm" else {}),
+        **({"fp8_gemv_max_m": fp8_gemv_max_m(dtype, device)} if report.backend == "fp8-scaled-mm" else {}),
     }

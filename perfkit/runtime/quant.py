@@ -56,7 +56,8 @@ from perfkit.kernels.fp8 import (
     fp8_supported,
     quantize_fp8_rowwise,
 )
-from perfkit.kernels.fp8_gemv import FP8_GEMV_MAX_M, fp8_gemv
+from perfkit.kernels.fp8_gemv import fp8_gemv
+from perfkit.kernels.fp8_gemv import pick_config as pick_fp8_gemv_config
 from perfkit.kernels.launch import capability, interpreting
 from perfkit.kernels.moe import QuantExpertWeights, fused_moe_quantized, gather_w4a16_fits, quantize_experts
 from perfkit.kernels.w4a16_gemm import (
@@ -177,15 +178,28 @@ def _mergeable(linears: list[nn.Module], cls: type) -> bool:
     )
 
 
+def _tc_split_counter(m: nn.Module) -> Tensor | None:
+    """The int32 counter of ``m``'s weight for the tensor-core gemv at M <= 16 (its split-K partials summed in the
+    same launch; ``w4a16_gemm(split_counter=)``, ``fp8_gemv(split_counter=)``), made on the first call outside a
+    CUDA-graph capture (the engine's eager warmup) and kept in ``m._split_counter``; the kernel leaves it at zero,
+    and one module never runs twice at once. None while capturing before that: a second launch sums the splits."""
+    c, w = m._split_counter, m.weight
+    if c is None or c.device != w.device:
+        if w.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        c = m._split_counter = new_split_counter(m.out_features, w.device)
+    return c
+
+
 class Fp8Linear(nn.Module):
     """Drop-in for a bias-free ``nn.Linear``: e4m3 weight [N, K] + fp32 per-channel scales [N].
 
-    Backend ``fp8-scaled-mm``: decode rows (flattened M <= ``FP8_GEMV_MAX_M``) take the weight-only Triton GEMV
-    (:func:`perfkit.kernels.fp8_gemv.fp8_gemv`: x not quantised, the weight streamed once), because at small M
-    the per-token activation quantisation (several tiny kernels per linear) plus ``_scaled_mm`` made FP8 decode
-    slower than bf16 on the H200 (31B batch 1: 21.0 vs 16.7 ms TPOT). Larger M: W8A8 (per-token scales +
-    ``torch._scaled_mm``), or the torch weight-only reference with ``quantize_input=False``. Backend ``fp8-ref``:
-    the torch reference at every M."""
+    Backend ``fp8-scaled-mm``: decode rows take the weight-only Triton GEMV (:func:`perfkit.kernels.fp8_gemv.fp8_gemv`:
+    x not quantised, the weight streamed once; ``fp8_gemv.pick_config``: M = 1 everywhere, M 2-16 of bf16 x on the
+    tensor-core form on sm_90+), because at small M the per-token activation quantisation (several tiny kernels per
+    linear) plus ``_scaled_mm`` made FP8 decode slower than bf16 on the H200 (31B batch 1: 21.0 vs 16.7 ms TPOT;
+    batch 4: 21.31 vs 17.86). Larger M: W8A8 (per-token scales + ``torch._scaled_mm``), or the torch weight-only
+    reference with ``quantize_input=False``. Backend ``fp8-ref``: the torch reference at every M."""
 
     pdl = False  # the GEMV launches with programmatic dependent launch (``Gemma4Model.set_pdl``, toggle ``pdl``)
 
@@ -196,6 +210,7 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32, device=device))
         self.backend = "fp8-ref"
         self.quantize_input = True  # False: weight-only (W8A16) numerics, for accuracy studies
+        self._split_counter: Tensor | None = None  # the tensor-core gemv's split-K count (``_tc_split_counter``)
 
     @classmethod
     def from_linear(cls, lin: nn.Linear) -> Fp8Linear:
@@ -219,8 +234,10 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = _flat(x)
-        if self.backend == "fp8-scaled-mm" and x2.shape[0] <= FP8_GEMV_MAX_M:  # decode rows: weight-only GEMV
-            y = fp8_gemv(x2, self.weight, self.weight_scale, pdl=self.pdl)
+        gemv = pick_fp8_gemv_config(x2.shape[0], self.in_features, x2) if self.backend == "fp8-scaled-mm" else None
+        if gemv is not None:  # decode rows: weight-only GEMV
+            counter = _tc_split_counter(self) if gemv.tc else None
+            y = fp8_gemv(x2, self.weight, self.weight_scale, config=gemv, pdl=self.pdl, split_counter=counter)
         elif self.backend == "fp8-scaled-mm" and self.quantize_input:
             y = fp8_linear(x2, self.weight, self.weight_scale)
         else:
@@ -335,24 +352,12 @@ class Nvfp4Linear(nn.Module):
             self._gs_runs_cache = cached
         return cached[1]
 
-    def _one_row_counter(self) -> Tensor | None:
-        """This weight's int32 counter for the tensor-core gemv at M <= 16 (its split-K partials summed in the same
-        launch; ``w4a16_gemm(split_counter=)``), made on the first call outside a CUDA-graph capture (the engine's
-        eager warmup) and reused; the kernel leaves it at zero, and one module never runs twice at once. None while
-        capturing before that: a second launch sums the splits."""
-        c, w = self._split_counter, self.weight
-        if c is None or c.device != w.device:
-            if w.is_cuda and torch.cuda.is_current_stream_capturing():
-                return None
-            c = self._split_counter = new_split_counter(self.out_features, w.device)
-        return c
-
     def forward(self, x: Tensor) -> Tensor:
         x2 = _flat(x)
         if self.backend == "w4a16-triton":
             path = pick_path(x2.shape[0])
             runs = self._gs_runs() if self.prefill_alpha and path == "dequant_mm" else None
-            counter = self._one_row_counter() if x2.shape[0] <= GEMV_TC_MAX_M and x2.is_cuda else None
+            counter = _tc_split_counter(self) if x2.shape[0] <= GEMV_TC_MAX_M and x2.is_cuda else None
             y = w4a16_gemm(x2, self.weight, self.weight_scale, self.weight_scale_2, gs_runs=runs,
                            split_counter=counter, pdl=self.pdl, repacked=self.repacked)  # fmt: skip
         elif self.backend == "fp4-native":
