@@ -209,22 +209,28 @@ def test_tc_gemv_decode_and_k_order_are_exact():
 
 
 def test_tc_gemv_config_rules(monkeypatch):
-    """pick_config on a (faked) sm_90 GPU: the tensor-core tile for GEMV_TC_MIN_M..GEMV_TC_MAX_M rows of bf16 x with
-    K of whole 64-wide steps (its 128-wide step where K allows), the CUDA-core tile at M = 1 otherwise, None (the
-    W8A8 path) beyond; without tensor cores one row. A tc tile the kernel cannot take (fp16 x, M > 16) runs the
-    CUDA-core default with the same result; bad tc tiles are refused."""
+    """pick_config on a (faked) sm_90 GPU: the tensor-core tile for 2..GEMV_TC_MAX_M rows of bf16 x with K of whole
+    64-wide steps (256-wide up to GEMV_TC_WIDE_STEP_MAX_M rows, then 128-wide; halved until the step divides K), at
+    M = 1 only for wide (N >= K) or large (GEMV_TC_M1_MIN_ELEMENTS) products, the CUDA-core tile at M = 1
+    otherwise, None (the W8A8 path) beyond; without tensor cores one row. A tc tile the kernel cannot take (fp16 x,
+    M > 16) runs the CUDA-core default with the same result; bad tc tiles are refused."""
     monkeypatch.setattr(fg, "tensor_cores_for_gemv", lambda device: True)
     monkeypatch.setattr(fg, "interpreting", lambda: False)
     bf, half = torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(1, 8, dtype=torch.float16)
-    assert fg.pick_config(fg.GEMV_TC_MAX_M, 5376, bf) is fg.GEMV_TC_CONFIG
-    assert fg.pick_config(fg.GEMV_TC_MIN_M, 21504, bf) is fg.GEMV_TC_CONFIG
-    assert fg.pick_config(4, 2112, bf) == dataclasses.replace(fg.GEMV_TC_CONFIG, block_k=64)  # 26B-A4B down
-    assert fg.pick_config(fg.GEMV_TC_MAX_M + 1, 5376, bf) is None
-    assert fg.pick_config(2, 5376 + 16, bf) is None and fg.pick_config(1, 5376 + 16, bf) is GEMV_CONFIG
-    assert fg.pick_config(2, 5376, half) is None and fg.pick_config(1, 5376, half) is GEMV_CONFIG
+    wide, rows = fg.GEMV_TC_CONFIG, fg.GEMV_TC_ROWS_CONFIG
+    assert fg.pick_config(fg.GEMV_TC_WIDE_STEP_MAX_M, 5376, 8192, bf) is wide
+    assert fg.pick_config(fg.GEMV_TC_WIDE_STEP_MAX_M + 1, 5376, 8192, bf) is rows
+    assert fg.pick_config(fg.GEMV_TC_MAX_M, 5376, 8192, bf) is rows
+    assert fg.pick_config(1, 43008, 5376, bf) is wide and fg.pick_config(1, 5376, 21504, bf) is wide  # H200 12-18
+    assert fg.pick_config(1, 5376, 8192, bf) is GEMV_CONFIG and fg.pick_config(1, 5376, 16384, bf) is GEMV_CONFIG
+    assert fg.pick_config(4, 2816, 2112, bf) == dataclasses.replace(wide, block_k=64)  # 26B-A4B down
+    assert fg.pick_config(2, 4224, 2816 + 128, bf) == dataclasses.replace(wide, block_k=128)
+    assert fg.pick_config(fg.GEMV_TC_MAX_M + 1, 5376, 5376, bf) is None
+    assert fg.pick_config(2, 5376, 5376 + 16, bf) is None and fg.pick_config(1, 5376, 5376 + 16, bf) is GEMV_CONFIG
+    assert fg.pick_config(2, 5376, 5376, half) is None and fg.pick_config(1, 5376, 5376, half) is GEMV_CONFIG
     assert fg.gemv_max_m(torch.bfloat16, "cuda") == fg.GEMV_TC_MAX_M and fg.gemv_max_m(torch.float16, "cuda") == 1
     monkeypatch.setattr(fg, "tensor_cores_for_gemv", lambda device: False)
-    assert fg.pick_config(1, 5376, bf) is GEMV_CONFIG and fg.pick_config(2, 5376, bf) is None
+    assert fg.pick_config(1, 5376, 5376, bf) is GEMV_CONFIG and fg.pick_config(2, 5376, 5376, bf) is None
     monkeypatch.undo()
     for M, dtype in ((17, torch.bfloat16), (3, torch.float16)):
         x, q, s = _operands(M, 24, 128, dtype, seed=M)
@@ -472,26 +478,26 @@ def test_gpu_real_shapes_match_reference(M, N, K):
 @pytest.mark.parametrize("N,K", [(5376, 21504), (43008, 5376), (5376, 8192), (2816, 2112)])
 def test_gpu_tc_gemv_real_shapes_rows_and_graph(N, K):
     """The tensor-core gemv on e4m3 words (the GPU's PTX decode: prmt + bf16x2 multiply) at 31B shapes and the
-    26B-A4B's down (64-wide steps): M 1, 3 and 16 within the reference's bound with the splits summed in the launch,
+    26B-A4B's down (64-wide steps): M 1, 3 and 16 (the tile of M >= 2) within the reference's bound with the splits summed in the launch,
     each row equal to its M = 1 launch bit for bit, and a CUDA graph of the launch replayed on new x equal to the
     eager result, the counter back at zero."""
     from perfkit.kernels.w4a16_gemm import new_split_counter
 
     for M in (1, 3, 16):
         x, q, s = _operands(M, N, K, torch.bfloat16, seed=M + N, device="cuda")
-        cfg = fg.pick_config(M, K, x)
+        cfg = fg.pick_config(max(M, 2), N, K, x)  # M = 1 runs the same tile here (pick_config may not at M = 1)
         assert cfg is not None and cfg.tc
         counter = new_split_counter(N, "cuda")
-        out = fp8_gemv(x, q, s, split_counter=counter, out_dtype=torch.float32)
+        out = fp8_gemv(x, q, s, config=cfg, split_counter=counter, out_dtype=torch.float32)
         _assert_close(out, x, q, s)
         rows = torch.cat([fp8_gemv(x[i : i + 1], q, s, config=cfg, out_dtype=torch.float32) for i in range(M)])
         assert torch.equal(out, rows)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            y = fp8_gemv(x, q, s, split_counter=counter)
+            y = fp8_gemv(x, q, s, config=cfg, split_counter=counter)
         x.copy_(torch.randn_like(x))
         g.replay()
-        assert torch.equal(y, fp8_gemv(x, q, s, split_counter=counter)) and not counter.any()
+        assert torch.equal(y, fp8_gemv(x, q, s, config=cfg, split_counter=counter)) and not counter.any()
 
 
 @pytest.mark.gpu

@@ -529,8 +529,9 @@ for split, even, fused, pdl, rp, xr, fp8 in ((1, True, False, 0, 0, 1, 0), (6, T
                                              (3, False, True, 0, 0, 1, 0), (2, True, False, 0, 0, 1, 0),
                                              (6, True, True, 1, 0, 1, 0), (6, True, True, 1, 1, 1, 0),
                                              (6, True, True, 1, 0, 16, 0), (6, True, True, 1, 1, 4, 0),
-                                             (6, True, True, 1, 0, 1, 1), (6, True, True, 1, 0, 16, 1)):
-    consts = {"BN": 64, "BK": 128 if fp8 else 256, "SPLIT": split, "EVEN_K": even, "FUSED": fused, "INTERP": False,
+                                             (6, True, True, 1, 0, 1, 1), (6, True, True, 1, 0, 8, 1),
+                                             (6, True, True, 1, 0, 16, 1)):
+    consts = {"BN": 64, "BK": 128 if xr > 8 and fp8 else 256, "SPLIT": split, "EVEN_K": even, "FUSED": fused, "INTERP": False,
               "PDL": pdl, "RP": rp, "ROWS": xr, "FP8": fp8}
     try:
         names = list(sig)  # the launch's specialisation at the 31B shapes: pointers, sizes and strides % 16 == 0
@@ -548,7 +549,8 @@ for split, even, fused, pdl, rp, xr, fp8 in ((1, True, False, 0, 0, 1, 0), (6, T
             usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
         regs, stack = (int(re.search(p, usage).group(1)) for p in (r"REG:(\\d+)", r"STACK:(\\d+)"))
         pdl_ok = ptx.count("griddepcontrol.wait") == pdl
-        rows.append(a_in_regs and ("atom" in ptx) == fused and (regs <= 128 or not even) and stack == 0 and pdl_ok)
+        spill_ok = stack == 0 or (fp8 and xr == 8 and stack <= 16)  # 3 words at 8 rows: timed faster than 128-wide
+        rows.append(a_in_regs and ("atom" in ptx) == fused and (regs <= 128 or not even) and spill_ok and pdl_ok)
     except Exception as exc:
         rows.append(f"{type(exc).__name__}: {exc}"[:2000])
 print(json.dumps(rows))
@@ -562,12 +564,13 @@ def test_w4a16_gemv_tc_compiles_for_sm90():
     kernel keeps within 128 registers: the 4 programs per SM that ``tc_split`` plans with (127 in the 12-14
     compile; the masked K tail takes 134). Launched with PDL: one wait, the same registers. On repacked words
     (``repack_words``) the pairs decode by rotations, within the same registers. With M > 1 rows of x (ROWS 4 and
-    16, launched with ``maxnreg``) within 128 registers too, without spills. On FP8 words (``FP8``, the 128-wide
-    step of ``fp8_gemv.GEMV_TC_CONFIG``) the pairs come from ``prmt`` and the same bf16x2 multiply, M = 1 and 16
-    (84 / 102 registers in the 12-18 compile)."""
+    16, launched with ``maxnreg``) within 128 registers too, without spills. On FP8 words (``FP8``, the tiles of
+    ``fp8_gemv``: 256-wide steps up to 8 rows, 128-wide for 16) the pairs come from ``prmt`` and the same bf16x2
+    multiply (12-18 compile: 123 registers at M = 1; at 8 rows 128 registers and 16 bytes of stack, 3 words
+    spilled, a form the H200 timed 1-6 % faster than the unspilled 128-wide step on 5 of the 6 31B shapes)."""
     from aot import sm90_rows
 
-    assert sm90_rows(_TC_SM90_COMPILE) == [True] * 10
+    assert sm90_rows(_TC_SM90_COMPILE) == [True] * 11
 
 
 def test_w4a16_split_k_rule():

@@ -300,14 +300,21 @@ class Fp8GemvConfig:
 GEMV_CONFIG = Fp8GemvConfig(block_m=2, block_n=2, block_k=2048, num_warps=4, num_stages=1, group=16)
 # The CPU interpreter runs one program at a time in Python (cost ~ programs x ops): one wide tile per problem.
 INTERPRETER_CONFIG = Fp8GemvConfig(block_m=8, block_n=64, block_k=128, num_warps=4, num_stages=1)
-# M 1..GEMV_TC_MAX_M with bf16 x on sm_90+, K of whole steps: the tensor-core gemv on e4m3 words (the W4A16 one's
-# loop, ``_tc_e4m3_tile``), 64 weight rows x 128 K per step: the same 8 KB of weight per step and stage as the
-# W4A16 tile's 256 K of 4-bit codes. Why: at M > 1 the CUDA-core kernel pays one FMA per weight byte and row, and
-# the W8A8 scaled_mm path quantises x per token in extra launches: 31B FP8 c4 TPOT 21.31 ms against 17.86 for
-# bf16 (H200 12-17 ``8-h200_quant.json``).
-GEMV_TC_CONFIG = Fp8GemvConfig(block_m=1, block_n=64, block_k=128, num_warps=4, num_stages=3, tc=True)
+# M 1..GEMV_TC_MAX_M with bf16 x on sm_90+, K of whole 64-wide steps: the tensor-core gemv on e4m3 words (the W4A16
+# one's loop, ``_tc_e4m3_tile``). Why: at M > 1 the CUDA-core kernel pays one FMA per weight byte and row, and the
+# W8A8 scaled_mm path quantises x per token in extra launches: 31B FP8 c4 TPOT 21.31 ms against 17.86 for bf16
+# (H200 12-17 ``8-h200_quant.json``). H200 12-18 (``h200-runs/2026-12-18/2-probe.jsonl``, chained with PDL, us, the
+# six 31B shapes): 256-wide steps (64 weight rows x 256 bytes per stage) win at M 1-8 (5376 x 21504: 33.75 at M = 1,
+# 32.7-33.9 at M 2-8, against 43.06 / 34.76-39.67 with 128-wide steps), 128-wide steps at M 9-16 (36.4 vs 39.8 at
+# M = 16: the wide step's x tile takes the registers over the 128 cap); W8A8 took 89-97 us there, bf16 cuBLAS 57-58.
+# At M = 1 the CUDA-core gemv stays ahead on the long-K products of 5376 rows below GEMV_TC_M1_MIN_ELEMENTS (5376 x
+# 8192 15.46 vs 17.07, 5376 x 16384 26.98 vs 27.32); the tensor-core gemv wins the rest (43008 x 5376 65.67 vs 74.69,
+# 5376 x 21504 33.75 vs 35.20).
+GEMV_TC_CONFIG = Fp8GemvConfig(block_m=1, block_n=64, block_k=256, num_warps=4, num_stages=3, tc=True)
+GEMV_TC_ROWS_CONFIG = Fp8GemvConfig(block_m=1, block_n=64, block_k=128, num_warps=4, num_stages=3, tc=True)
+GEMV_TC_WIDE_STEP_MAX_M = 8  # GEMV_TC_CONFIG up to here, GEMV_TC_ROWS_CONFIG above
 GEMV_TC_MAX_M = 16
-GEMV_TC_MIN_M = 1
+GEMV_TC_M1_MIN_ELEMENTS = 100 * 1024 * 1024  # M = 1: the tc gemv where N >= K or N * K >= this
 INLINE_ASM_CVT = True  # GPU sm_89+: inline-PTX e4m3 -> fp32 (False: Triton's own conversion)
 
 
@@ -329,14 +336,19 @@ def gemv_max_m(x_dtype: torch.dtype, device: torch.device | str) -> int:
     return GEMV_TC_MAX_M if tc else FP8_GEMV_MAX_M
 
 
-def pick_config(M: int, K: int, x: torch.Tensor) -> Fp8GemvConfig | None:
-    """The tile ``fp8_gemv`` runs for M rows of x at reduction length K: GEMV_TC_CONFIG for GEMV_TC_MIN_M..
-    GEMV_TC_MAX_M rows of bf16 x on sm_90+ with K of whole steps (64-wide steps where K is a multiple of 64 but
-    not of its 128: the 26B-A4B's 2112), else the CUDA-core tile up to FP8_GEMV_MAX_M rows; None beyond: the
-    product is not a decode gemv (``Fp8Linear`` then runs W8A8 ``scaled_mm``)."""
-    if GEMV_TC_MIN_M <= M and not interpreting() and _tc_fits(M, x) and K % 64 == 0:
-        bk = GEMV_TC_CONFIG.block_k
-        return GEMV_TC_CONFIG if K % bk == 0 else dataclasses.replace(GEMV_TC_CONFIG, block_k=64)
+def pick_config(M: int, N: int, K: int, x: torch.Tensor) -> Fp8GemvConfig | None:
+    """The tile ``fp8_gemv`` runs for M rows of x against an N x K weight: the tensor-core tile for 1..GEMV_TC_MAX_M
+    rows of bf16 x on sm_90+ with K a multiple of 64 (GEMV_TC_CONFIG up to GEMV_TC_WIDE_STEP_MAX_M rows, then
+    GEMV_TC_ROWS_CONFIG; the step halved until it divides K: the 26B-A4B's 2112 runs 64-wide steps), at M = 1 only
+    where N >= K or N * K >= GEMV_TC_M1_MIN_ELEMENTS; else the CUDA-core tile up to FP8_GEMV_MAX_M rows; None
+    beyond: the product is not a decode gemv (``Fp8Linear`` then runs W8A8 ``scaled_mm``)."""
+    wide = M > 1 or N >= K or N * K >= GEMV_TC_M1_MIN_ELEMENTS
+    if wide and not interpreting() and _tc_fits(M, x) and K % 64 == 0:
+        cfg = GEMV_TC_CONFIG if M <= GEMV_TC_WIDE_STEP_MAX_M else GEMV_TC_ROWS_CONFIG
+        bk = cfg.block_k
+        while K % bk:
+            bk //= 2
+        return cfg if bk == cfg.block_k else dataclasses.replace(cfg, block_k=bk)
     return default_config() if M <= FP8_GEMV_MAX_M else None
 
 
@@ -425,7 +437,7 @@ def fp8_gemv(
         )
     if out_dtype is not None and out_dtype not in X_DTYPES:
         raise ValueError(f"out_dtype must be bf16 / fp16 / fp32, got {out_dtype}")
-    cfg = config or pick_config(M, K, x) or default_config()
+    cfg = config or pick_config(M, N, K, x) or default_config()
     if not isinstance(cfg, Fp8GemvConfig):
         raise ValueError(f"config must be an Fp8GemvConfig, got {type(cfg).__name__}")
     if cfg.tc and not _tc_fits(M, x):
