@@ -53,7 +53,7 @@ def main() -> None:
                 row[f"tc{bk}_rel_err"] = float(f"{err:.3g}")
                 row[f"tc{bk}_rows_equal"] = bool(torch.equal(out, rows))
 
-                def tc(w, x=x, cfg=cfg):
+                def tc(w, x=x, cfg=cfg, counters=counters):
                     return F.fp8_gemv(x, *w, config=cfg, pdl=True, split_counter=counters[w[0].data_ptr()])
 
                 us = min(graph_sequence_us(tc, weights, CHAIN_CALLS, CHAIN_REPLAYS) for _ in range(2))
