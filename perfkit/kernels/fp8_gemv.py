@@ -74,7 +74,13 @@ from perfkit.kernels.launch import capability, interpreting, sm_count
 from perfkit.kernels.pdl import pdl_enter, pdl_launch
 from perfkit.kernels.stream import chain_args, chain_columns, stream_chain_us, stream_read_ms
 from perfkit.kernels.timing import graph_ms
-from perfkit.kernels.w4a16_gemm import HBM_BYTES_PER_S, W4A16Config, _finish_split, _launch_gemv_tc, tensor_cores_for_gemv
+from perfkit.kernels.w4a16_gemm import (
+    HBM_BYTES_PER_S,
+    W4A16Config,
+    _finish_split,
+    _launch_gemv_tc,
+    tensor_cores_for_gemv,
+)
 from perfkit.kernels.w4a16_gemm import _fit as _fit_w4a16
 
 # The largest flattened M that Fp8Linear (backend fp8-scaled-mm) sends to fp8_gemv instead of the W8A8
