@@ -318,7 +318,8 @@ def test_default_configs():
     assert fg.default_config() is (INTERPRETER_CONFIG if interpreting() else GEMV_CONFIG)
     assert fg._fit(GEMV_CONFIG, 1, 5376, 21504) == (1, GEMV_CONFIG.block_n, GEMV_CONFIG.block_k)
     assert fg._fit(GEMV_CONFIG, 3, 5, 20) == (min(GEMV_CONFIG.block_m, 4), min(GEMV_CONFIG.block_n, 8), 32)  # clipped
-    assert 1 <= len(fg.SWEEP_CONFIGS) <= 16 and len(set(fg.SWEEP_CONFIGS)) == len(fg.SWEEP_CONFIGS)
+    assert 1 <= len(fg.SWEEP_CONFIGS) <= 18 and len(set(fg.SWEEP_CONFIGS)) == len(fg.SWEEP_CONFIGS)
+    assert {fg.GEMV_TC_CONFIG, fg.GEMV_TC_ROWS_CONFIG} <= set(fg.SWEEP_CONFIGS)
 
 
 def test_traffic():

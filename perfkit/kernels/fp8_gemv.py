@@ -53,6 +53,19 @@ weight load, x as two 16-byte loads) and keeps 4 accumulator chains, one per wor
 W4A16 wide gemv does. Compiled offline for sm_90 with Triton 3.6 at M = 1 (integer arguments and pointers taken
 as divisible by 16, as the real shapes are), its loop takes 3.5-3.9 SASS instructions per weight byte (4 or 8
 rows x 2048) against 5.7 for the 8-byte 8 x 4 x 1024 tile counted the same way, with 104-172 registers against 48.
+
+Tensor cores (``Fp8GemvConfig.tc``, sm_90+, bf16 x, M <= GEMV_TC_MAX_M = 16; ``pick_config``): the CUDA-core kernel
+pays one FMA per weight byte and row of x, so from M = 2 the decode rows took W8A8 ``scaled_mm`` instead, which was
+slower than bf16 at M 2-16 (per-token quantisation launches, and cuBLAS's FP8 tiles at tiny M). Since 12-18 those
+rows, and M = 1 on the wide or large products, run the W4A16 tensor-core gemv's loop on e4m3 words
+(``w4a16_gemm._w4a16_gemv_tc_kernel`` with FP8=1): each thread's 16-byte weight loads become the warpgroup MMA's
+register operand as bf16x2 pairs (a ``prmt``, two masks, a shift and one bf16x2 multiply by 2^120 per pair: exact
+e4m3 values, in the same permuted K order, so the same x tile serves both formats), row m of x in the MMA's column
+m, the per-row scale in the epilogue, split over K with the splits summed in the launch (``split_counter``). 4.0
+SASS instructions per weight byte in the loop at 128-wide steps, 3.6 at 256-wide (sm_90 compile). Same numerics as
+the CUDA-core kernel: exact products, fp32 sums, one rounding by the scale, one by the output cast. H200 12-18,
+chained with PDL (``h200-runs/2026-12-18/2-probe.jsonl``): 69-86 % of the load-only ceiling at M 1-16 on the six
+31B shapes; 31B FP8 TPOT c2 21.24 -> 10.96 ms, c4 21.51 -> 11.51, c16 25.43 -> 16.62, c1 11.85 -> 10.82.
 """
 
 from __future__ import annotations
@@ -79,6 +92,7 @@ from perfkit.kernels.w4a16_gemm import (
     W4A16Config,
     _finish_split,
     _launch_gemv_tc,
+    tc_split,
     tensor_cores_for_gemv,
 )
 from perfkit.kernels.w4a16_gemm import _fit as _fit_w4a16
@@ -518,7 +532,7 @@ SWEEP_SHAPES: tuple[tuple[int, int], ...] = (
     (5376, 16384),
     (5376, 8192),
 )
-SWEEP_MS: tuple[int, ...] = (1, 2, 4, 8)
+SWEEP_MS: tuple[int, ...] = (1, 2, 4, 8, 16)
 # Tiles timed per (shape, M), None = GEMV_CONFIG. The 8-byte form: 4-16 weight rows, steps of 256 * num_warps (x
 # in the weight's layout) or twice that, one smaller step (x through shared memory), split-K forced off (1) and on
 # (2), block_m = 8 (each program takes min(8, M) rows); then the 16-byte form with block_m 2. Each tile compiles in
@@ -542,6 +556,8 @@ SWEEP_CONFIGS: tuple[Fp8GemvConfig | None, ...] = (
     Fp8GemvConfig(block_m=2, block_n=4, block_k=2048, num_warps=4, group=16),
     Fp8GemvConfig(block_m=2, block_n=8, block_k=2048, num_warps=4, group=16),
     Fp8GemvConfig(block_m=2, block_n=4, block_k=4096, num_warps=8, group=16),
+    GEMV_TC_CONFIG,  # the tensor-core gemv (12-18): 256-wide steps, M 1-8 by default
+    GEMV_TC_ROWS_CONFIG,  # 128-wide steps, M 9-16 by default
 )
 SWEEP_WARMUP_MS = 5  # triton.testing.do_bench times (ms): ~25 ms per measurement keeps the sweep near a minute
 SWEEP_REP_MS = 20
@@ -586,7 +602,11 @@ def _gemv_row(
     ms = graph_ms(fn, warmup, rep)
     t = fp8_gemv_traffic(M, N, K, x.element_size(), x.element_size())
     bm, bn, bk = _fit(cfg, M, N, K)
-    split, _ = _split_k(cfg, bk, x.device, triton.cdiv(N, bn) * triton.cdiv(M, bm), K)
+    if cfg.tc and _tc_fits(M, x):
+        split = tc_split(N, K, W4A16Config(1, bn, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.split_k, tc=True),
+                         sm_count(x.device))  # fmt: skip
+    else:
+        split, _ = _split_k(cfg, bk, x.device, triton.cdiv(N, bn) * triton.cdiv(M, bm), K)
     bf16_ms, mm_ms = baselines["bf16_cublas_ms"], baselines["fp8_scaled_mm_ms"]
     return {
         "M": M,
@@ -644,7 +664,7 @@ def bench_fp8_gemv(
     nbytes = int(fp8_gemv_traffic(M, N, K, x.element_size(), x.element_size())["total_bytes"])
     weights = chain_args((q, s), lambda i: _bench_weights(N, K, seed + 1000 + i, device)[:2], nbytes)
     chain = (weights, stream_chain_us(nbytes, device)["stream_chain_us"])
-    return _gemv_row(x, q, s, ref, config or default_config(), base, warmup, rep, chain)
+    return _gemv_row(x, q, s, ref, config or pick_config(M, N, K, x) or default_config(), base, warmup, rep, chain)
 
 
 def _sweep_summary(results: Sequence[dict]) -> list[dict]:
