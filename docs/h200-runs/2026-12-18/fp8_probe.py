@@ -49,7 +49,9 @@ def main() -> None:
                 c0 = counters[q.data_ptr()]
                 out = F.fp8_gemv(x, q, s, config=cfg, split_counter=c0, out_dtype=torch.float32)
                 err = ((out - ref).abs().max() / ref.abs().max()).item()
-                rows = torch.cat([F.fp8_gemv(x[i : i + 1], q, s, config=cfg, out_dtype=torch.float32) for i in range(M)])
+                rows = torch.cat(
+                    [F.fp8_gemv(x[i : i + 1], q, s, config=cfg, out_dtype=torch.float32) for i in range(M)]
+                )
                 row[f"tc{bk}_rel_err"] = float(f"{err:.3g}")
                 row[f"tc{bk}_rows_equal"] = bool(torch.equal(out, rows))
 
