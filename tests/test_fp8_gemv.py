@@ -176,13 +176,14 @@ TC = Fp8GemvConfig(block_m=1, block_n=64, block_k=64, num_warps=4, num_stages=3,
 
 def test_tc_gemv_matches_reference_and_each_row_is_its_own_launch():
     """The tensor-core gemv on e4m3 words (``tc``: the W4A16 kernel's loop, ``_tc_e4m3_tile``): within the bound
-    of the reference at M 1-16 (row m of x in the MMA's column m), rows past N, a ragged last K step (masked), one
+    of the reference at M 1-16 (row m of x in the MMA's column m) and 40 (three programs per row block, 16 rows of x
+    each), rows past N, a ragged last K step (masked), one
     and several splits summed in the launch (the counter back at zero) or by a second launch; each output row equals
     that row's M = 1 launch bit for bit (the MMA's columns are summed apart)."""
     from perfkit.kernels.w4a16_gemm import new_split_counter
 
     for M, N, K, bk, split in ((1, 80, 256, 64, None), (2, 80, 512, 128, 1), (16, 40, 1088, 128, 3),
-                               (7, 80, 320, 64, 5)):  # fmt: skip
+                               (7, 80, 320, 64, 5), (40, 80, 256, 64, 3)):  # fmt: skip
         x, q, s = _operands(M, N, K, torch.bfloat16, seed=40 + M)
         cfg = dataclasses.replace(TC, block_k=bk, split_k=split)
         counter = new_split_counter(N, DEVICE)
@@ -232,7 +233,7 @@ def test_tc_gemv_config_rules(monkeypatch):
     monkeypatch.setattr(fg, "tensor_cores_for_gemv", lambda device: False)
     assert fg.pick_config(1, 5376, 5376, bf) is GEMV_CONFIG and fg.pick_config(2, 5376, 5376, bf) is None
     monkeypatch.undo()
-    for M, dtype in ((17, torch.bfloat16), (3, torch.float16)):
+    for M, dtype in ((fg.GEMV_TC_MAX_M + 1, torch.bfloat16), (3, torch.float16)):
         x, q, s = _operands(M, 24, 128, dtype, seed=M)
         assert torch.equal(fp8_gemv(x, q, s, config=TC), fp8_gemv(x, q, s))
     for bad in ({"block_n": 8}, {"block_k": 32}):

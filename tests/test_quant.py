@@ -446,11 +446,11 @@ def test_w4a16_repacked_words_give_the_same_result(M, path, cfg):
 @pytest.mark.parametrize("repacked", [False, True])
 def test_w4a16_gemv_tc_rows_are_each_rows_gemv(repacked, monkeypatch):
     """The tensor-core gemv at M = 2..16 (row m of x in column m of the MMA's B tile, loaded in memory order and
-    permuted to the K order): each output row equals that row's M = 1 launch bit for bit (the columns of an MMA
-    are summed apart) and the reference within the fp32 bound; 1 or 3 splits summed in the launch, a ragged last
+    permuted to the K order) and 33 (three programs per row block of 16 rows of x each): each output row equals that
+    row's M = 1 launch bit for bit (the columns of an MMA are summed apart) and the reference within the fp32 bound; 1 or 3 splits summed in the launch, a ragged last
     K step, per-row global scales, the counter back at zero."""
     calls = _count_tc(monkeypatch)
-    for M, K, per_row in ((2, 512, False), (16, 1088, True), (7, 256, False)):
+    for M, K, per_row in ((2, 512, False), (16, 1088, True), (7, 256, False), (33, 256, True)):
         x, q, s, gs = _operands(M, 80, K, torch.bfloat16, seed=90 + M, per_row_gs=per_row)
         w = repack_words(q) if repacked else q
         ref = w4a16_gemm_ref(x, q, s, gs, out_dtype=torch.float32)
@@ -463,7 +463,7 @@ def test_w4a16_gemv_tc_rows_are_each_rows_gemv(repacked, monkeypatch):
                                repacked=repacked) for i in range(M)]  # fmt: skip
             assert torch.equal(out, torch.cat(rows)) and not counter.any()
             torch.testing.assert_close(out, ref, atol=2e-6 * ref.abs().max().item(), rtol=0)
-    assert len(calls) == sum(2 * (1 + M) for M in (2, 16, 7))  # every launch on the tensor-core kernel
+    assert len(calls) == sum(2 * (1 + M) for M in (2, 16, 7, 33))  # every launch on the tensor-core kernel
 
 
 def test_w4a16_gemv_tc_config_rules(monkeypatch):
@@ -483,13 +483,14 @@ def test_w4a16_gemv_tc_config_rules(monkeypatch):
     assert pick_config(1, "gemv", torch.bfloat16, 5376, 132, K) is wk.GEMV_WIDE_DEEP_CONFIG
     assert pick_config(1, "gemv", torch.float16, 5376, 132, K, tensor_cores=True) is wk.GEMV_CONFIG
     assert pick_config(16, "gemv", torch.bfloat16, 5376, 132, K, tensor_cores=True) is wk.GEMV_TC_CONFIG
-    assert pick_config(17, "gemv", torch.bfloat16, 5376, 132, K, tensor_cores=True) is wk.GEMV_CONFIG
+    assert pick_config(64, "gemv", torch.bfloat16, 5376, 132, K, tensor_cores=True) is wk.GEMV_TC_CONFIG  # 4 groups
+    assert pick_config(65, "gemv", torch.bfloat16, 5376, 132, K, tensor_cores=True) is wk.GEMV_CONFIG
     assert pick_config(2, "gemv", torch.bfloat16, 4224, 132, 2816, tensor_cores=True) is wk.GEMV_TC_CONFIG  # any shape
     assert pick_config(2, "gemv", torch.bfloat16, 2816, 132, 2112, tensor_cores=True) is wk.GEMV_CONFIG  # but whole steps
     monkeypatch.undo()
     calls = _count_tc(monkeypatch)
     narrow = dataclasses.replace(TC, tc=False)
-    for x, q, s, gs in (_operands(17, 24, 128, torch.bfloat16, seed=70), _operands(1, 24, 128, torch.float16, seed=71)):
+    for x, q, s, gs in (_operands(65, 24, 128, torch.bfloat16, seed=70), _operands(1, 24, 128, torch.float16, seed=71)):
         out = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=TC, path="gemv")
         assert torch.equal(out, w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=narrow, path="gemv"))
     assert calls == []
@@ -532,7 +533,7 @@ for split, even, fused, pdl, rp, xr, fp8 in ((1, True, False, 0, 0, 1, 0), (6, T
                                              (6, True, True, 1, 0, 1, 1), (6, True, True, 1, 0, 8, 1),
                                              (6, True, True, 1, 0, 16, 1)):
     consts = {"BN": 64, "BK": 128 if xr > 8 and fp8 else 256, "SPLIT": split, "EVEN_K": even, "FUSED": fused, "INTERP": False,
-              "PDL": pdl, "RP": rp, "ROWS": xr, "FP8": fp8}
+              "PDL": pdl, "RP": rp, "ROWS": xr, "FP8": fp8, "MG": 4 if xr == 16 else 1}
     try:
         names = list(sig)  # the launch's specialisation at the 31B shapes: pointers, sizes and strides % 16 == 0
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in ("gs_stride", "M")}
@@ -564,7 +565,8 @@ def test_w4a16_gemv_tc_compiles_for_sm90():
     kernel keeps within 128 registers: the 4 programs per SM that ``tc_split`` plans with (127 in the 12-14
     compile; the masked K tail takes 134). Launched with PDL: one wait, the same registers. On repacked words
     (``repack_words``) the pairs decode by rotations, within the same registers. With M > 1 rows of x (ROWS 4 and
-    16, launched with ``maxnreg``) within 128 registers too, without spills. On FP8 words (``FP8``, the tiles of
+    16, launched with ``maxnreg``; at 16 rows as one of 4 row groups, M = 64) within 128 registers too, without
+    spills. On FP8 words (``FP8``, the tiles of
     ``fp8_gemv``: 256-wide steps up to 8 rows, 128-wide for 16) the pairs come from ``prmt`` and the same bf16x2
     multiply (12-18 compile: 123 registers at M = 1; at 8 rows 128 registers and 16 bytes of stack, 3 words
     spilled, a form the H200 timed 1-6 % faster than the unspilled 128-wide step on 5 of the 6 31B shapes)."""

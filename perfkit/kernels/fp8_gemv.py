@@ -333,7 +333,7 @@ INTERPRETER_CONFIG = Fp8GemvConfig(block_m=8, block_n=64, block_k=128, num_warps
 GEMV_TC_CONFIG = Fp8GemvConfig(block_m=1, block_n=64, block_k=256, num_warps=4, num_stages=3, tc=True)
 GEMV_TC_ROWS_CONFIG = Fp8GemvConfig(block_m=1, block_n=64, block_k=128, num_warps=4, num_stages=3, tc=True)
 GEMV_TC_WIDE_STEP_MAX_M = 8  # GEMV_TC_CONFIG up to here, GEMV_TC_ROWS_CONFIG above
-GEMV_TC_MAX_M = 16
+GEMV_TC_MAX_M = 64  # beyond 16 rows one program per 16-row group (w4a16_gemm.GEMV_TC_MAX_ROW_GROUPS)
 GEMV_TC_M1_MIN_ELEMENTS = 100 * 1024 * 1024  # M = 1: the tc gemv where N >= K or N * K >= this
 INLINE_ASM_CVT = True  # GPU sm_89+: inline-PTX e4m3 -> fp32 (False: Triton's own conversion)
 

@@ -781,9 +781,11 @@ def _w4a16_gemv_tc_kernel(
     RP: tl.constexpr = 0,  # repacked words (``repack_words``)
     ROWS: tl.constexpr = 1,  # 1: M = 1, x broadcast to the MMA's 16 columns; 2-16: M <= ROWS rows (a power of 2)
     FP8: tl.constexpr = 0,  # 1: e4m3 weights, w_ptr int32 [N, K/4], gs_ptr their fp32 per-row scales, s_ptr unused
+    MG: tl.constexpr = 1,  # groups of 16 rows of x (M <= 16 * MG): program g of a row block takes rows [16 g, 16 g + 16)
 ):
-    """The M <= 16 gemv on the tensor cores (``W4A16Config.tc``): rows [pid * BN, + BN) over split pid_k's share of
-    the K steps, weights on the MMA's M side and x's rows as its N side (``_tc_x_tile``). The splits differ by at most one step (12-15's splits of
+    """The small-M gemv on the tensor cores (``W4A16Config.tc``): rows [pid * BN, + BN) over split pid_k's share of
+    the K steps, weights on the MMA's M side and x's rows as its N side (``_tc_x_tile``, 16 per program). The splits
+    differ by at most one step (12-15's splits of
     ceil(steps / SPLIT) left the last one short: 5376 x 8192 ran 6, 6, 6, 6, 6, 2 steps, now 5 and 6; chained with PDL
     14.78 -> 14.09-14.39 us, the other 31B shapes within noise; H200 12-16 ``split_probe.py``). Each step's A operand
     comes straight from the words a thread loads (``_tc_tile``: the K order is permuted to the MMA fragment's, x
@@ -792,13 +794,16 @@ def _w4a16_gemv_tc_kernel(
     compile). With PDL the wait is at the top: asking L2 for the program's first weight steps before it tied (2 steps)
     or made the chained launch slower (4-8 steps; H200 12-15, ``h200-runs/2026-12-15/pdl_probe.py``). FP8: the same
     loop on e4m3 words (``_tc_e4m3_tile``, in the same K order), the per-row scale in the epilogue: the weight-only
-    FP8 gemv of ``perfkit.kernels.fp8_gemv`` at M 1-16."""
+    FP8 gemv of ``perfkit.kernels.fp8_gemv``. More than 16 rows of x (MG groups): the MG programs of a row block are
+    neighbours in the grid (program id = block * MG + group), so they run together and the weight tile they each
+    read and decode comes from DRAM about once (the others hit L2); the decode is paid once per group."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     k_lo = tl.multiple_of((tl.program_id(1) * steps // SPLIT) * BK, BK)
     k_hi = tl.minimum(((tl.program_id(1) + 1) * steps // SPLIT) * BK, K)
-    rows = pid * BN + tl.arange(0, BN)
+    rows = (pid // MG) * BN + tl.arange(0, BN)
     rr = tl.minimum(rows, N - 1).to(tl.int64)
+    m0 = (pid % MG) * 16  # this program's first row of x
     col = tl.arange(0, 16)
     acc = tl.zeros((BN, 16), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
@@ -806,7 +811,7 @@ def _w4a16_gemv_tc_kernel(
             a = _tc_e4m3_tile(w_ptr, rr, stride_wn, k0, K, BN, BK, EVEN_K, INTERP)
         else:
             a = _tc_tile(w_ptr, s_ptr, rr, stride_wn, stride_sn, k0, K, BN, BK, EVEN_K, INTERP, RP)
-        xb = _tc_x_tile(x_ptr, stride_xm, M, k0, K, BK, ROWS)
+        xb = _tc_x_tile(x_ptr + m0 * stride_xm, stride_xm, M - m0, k0, K, BK, ROWS)
         if INTERP:
             acc = tl.dot(a, xb.to(tl.float32), acc)
         else:
@@ -815,8 +820,8 @@ def _w4a16_gemv_tc_kernel(
         y = acc * tl.load(gs_ptr + rr * gs_stride)[:, None]  # [BN, 16]: column m is row m of the output
     else:
         y = acc * 256.0 * tl.load(gs_ptr + rr * gs_stride)[:, None]  # the tile's 2^-8 undone with the global scale
-    offs = col[None, :] * N + rows[:, None]  # [M, N] (and each split's [M, N] of partials)
-    ok = (rows < N)[:, None] & (col < M)[None, :]
+    offs = (m0 + col)[None, :] * N + rows[:, None]  # [M, N] (and each split's [M, N] of partials)
+    ok = (rows < N)[:, None] & (col < M - m0)[None, :]
     if SPLIT == 1:
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
     else:
@@ -1134,8 +1139,11 @@ GEMV_TC_MIN_K = 4096
 # M 2-16 with bf16 x on the same shapes: the same kernel with row m of x in column m of the MMA's B operand (M = 1
 # broadcasts its row to the 16 columns the MMA computes anyway), so the weight is streamed once for all rows, as at
 # M = 1. The dot path it replaces re-decodes the weight tile for its 16-row x tile at ~0.7 TB/s (H200 12-17 call
-# 3: 5376 x 21504 at M 2-16 84-85 us, against 28 us for M = 1 on this kernel).
-GEMV_TC_MAX_M = 16
+# 3: 5376 x 21504 at M 2-16 84-85 us, against 28 us for M = 1 on this kernel). Beyond 16 rows (12-18): one program
+# per 16-row group of x and row block, the groups of a row block side by side in the grid so the weight tile comes
+# from DRAM about once (GEMV_TC_MAX_ROW_GROUPS groups: M <= 64; the split counters are sized for it).
+GEMV_TC_MAX_M = 64
+GEMV_TC_MAX_ROW_GROUPS = 4
 # At M 2-16 the alternative is the dot path, not the wide gemv that keeps the small products (26B-A4B's K 2816)
 # off the tensor cores at M = 1: every shape of whole 256-wide K steps takes the tensor-core gemv there
 # (GEMV_TC_ROWS_ANY_SHAPE). H200 12-17 call 9 (``9-rows26.jsonl``, chained us, tc / dot at M = 2-16): 8192 x 2816
@@ -1404,17 +1412,18 @@ def _launch_gemv_wide(
     return out
 
 
-def tc_split(N: int, K: int, cfg: W4A16Config, sms: int) -> int:
+def tc_split(N: int, K: int, cfg: W4A16Config, sms: int, groups: int = 1) -> int:
     """The number of K splits of the tensor-core gemv (at most one per step): ``cfg.split_k``, or the fewest splits
     (each at least GEMV_TC_MIN_STEPS_PER_SPLIT steps) whose grid fills its waves of GEMV_TC_PROGRAMS_PER_SM programs per
     SM within GEMV_TC_FILL_SLACK of the best fill. Why waves: the programs are short and alike, so a partial last wave
     is time lost (12-14 ``6-split.jsonl``: 5376 x 21504 at 6 splits, one wave of 504 programs, 28.72 us; at 7, 588
     programs, 34.51); why the fewest: every split adds partials to sum and shortens the programs (18432 x 5376 at 3
-    splits, 82 % fill, 26.33 us; at 5, 91 %, 27.70 in call 7; 43008 x 5376 at 2 splits 53.36, at 3 53.93)."""
+    splits, 82 % fill, 26.33 us; at 5, 91 %, 27.70 in call 7; 43008 x 5376 at 2 splits 53.36, at 3 53.93). ``groups``:
+    programs per row block (16-row groups of x)."""
     steps = triton.cdiv(K, cfg.block_k)
     split = cfg.split_k
     if split is None:
-        blocks, slots = triton.cdiv(N, cfg.block_n), GEMV_TC_PROGRAMS_PER_SM * sms
+        blocks, slots = triton.cdiv(N, cfg.block_n) * groups, GEMV_TC_PROGRAMS_PER_SM * sms
 
         def fill(s: int) -> float:
             return blocks * s / (triton.cdiv(blocks * s, slots) * slots)
@@ -1426,8 +1435,9 @@ def tc_split(N: int, K: int, cfg: W4A16Config, sms: int) -> int:
 
 
 def new_split_counter(N: int, device: torch.device | str) -> torch.Tensor:
-    """A ``split_counter`` for a weight of N rows: int32 zeros, one per row block of the smallest tc tile."""
-    return torch.zeros(triton.cdiv(N, 16), dtype=torch.int32, device=device)
+    """A ``split_counter`` for a weight of N rows: int32 zeros, one per program of the smallest tc tile (16 rows) at
+    the most rows of x (GEMV_TC_MAX_ROW_GROUPS groups of 16)."""
+    return torch.zeros(triton.cdiv(N, 16) * GEMV_TC_MAX_ROW_GROUPS, dtype=torch.int32, device=device)
 
 
 def _launch_gemv_tc(
@@ -1448,8 +1458,11 @@ def _launch_gemv_tc(
     weights as int32 [N, K/4], ``gs`` their per-row scales (gs_stride 1), ``scales`` unused."""
     M, K = x.shape
     N = words.shape[0]
-    split = tc_split(N, K, cfg, sm_count(x.device))
-    blocks = triton.cdiv(N, cfg.block_n)
+    groups = triton.cdiv(M, 16)  # programs per row block, 16 rows of x each
+    if groups > GEMV_TC_MAX_ROW_GROUPS:
+        raise ValueError(f"the tensor-core gemv takes at most {16 * GEMV_TC_MAX_ROW_GROUPS} rows of x, got {M}")
+    split = tc_split(N, K, cfg, sm_count(x.device), groups)
+    blocks = triton.cdiv(N, cfg.block_n) * groups
     fused = split > 1 and counter is not None
     if fused and (counter.dtype != torch.int32 or counter.numel() < blocks or counter.device != x.device):
         raise ValueError(f"split_counter must be int32 on {x.device} with >= {blocks} elements (zeros)")
@@ -1459,7 +1472,8 @@ def _launch_gemv_tc(
         x, words, scales, gs, out, part, counter if fused else words, M, x.stride(0), N, K,
         triton.cdiv(K, cfg.block_k), words.stride(0), scales.stride(0), gs_stride, BN=cfg.block_n, BK=cfg.block_k,
         SPLIT=split, EVEN_K=K % cfg.block_k == 0, FUSED=fused, INTERP=interpreting(), RP=int(repacked),
-        ROWS=triton.next_power_of_2(M), FP8=int(fp8), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ROWS=triton.next_power_of_2(min(M, 16)), FP8=int(fp8), MG=groups, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
         **pdl_launch(pdl),
         **({"maxnreg": GEMV_TC_ROWS_MAX_REGISTERS} if M > 1 and not interpreting() else {}),
     )  # fmt: skip
