@@ -212,7 +212,7 @@ def test_tc_gemv_decode_and_k_order_are_exact():
 def test_tc_gemv_config_rules(monkeypatch):
     """pick_config on a (faked) sm_90 GPU: the tensor-core tile for 2..GEMV_TC_MAX_M rows of bf16 x with K of whole
     64-wide steps (256-wide up to GEMV_TC_WIDE_STEP_MAX_M rows, then 128-wide; halved until the step divides K), at
-    M = 1 only for wide (N >= K) or large (GEMV_TC_M1_MIN_ELEMENTS) products, the CUDA-core tile at M = 1
+    M = 1 only for wide (N >= K) or large (GEMV_TC_M1_MIN_ELEMENTS) products, above 16 rows only for the large ones, the CUDA-core tile at M = 1
     otherwise, None (the W8A8 path) beyond; without tensor cores one row. A tc tile the kernel cannot take (fp16 x,
     M > 16) runs the CUDA-core default with the same result; bad tc tiles are refused."""
     monkeypatch.setattr(fg, "tensor_cores_for_gemv", lambda device: True)
@@ -227,6 +227,7 @@ def test_tc_gemv_config_rules(monkeypatch):
     assert fg.pick_config(4, 2816, 2112, bf) == dataclasses.replace(wide, block_k=64)  # 26B-A4B down
     assert fg.pick_config(2, 4224, 2816 + 128, bf) == dataclasses.replace(wide, block_k=128)
     assert fg.pick_config(fg.GEMV_TC_MAX_M + 1, 5376, 5376, bf) is None
+    assert fg.pick_config(17, 5376, 8192, bf) is rows and fg.pick_config(17, 2816, 8192, bf) is None  # groups: large only
     assert fg.pick_config(2, 5376, 5376 + 16, bf) is None and fg.pick_config(1, 5376, 5376 + 16, bf) is GEMV_CONFIG
     assert fg.pick_config(2, 5376, 5376, half) is None and fg.pick_config(1, 5376, 5376, half) is GEMV_CONFIG
     assert fg.gemv_max_m(torch.bfloat16, "cuda") == fg.GEMV_TC_MAX_M and fg.gemv_max_m(torch.float16, "cuda") == 1
@@ -444,6 +445,7 @@ def test_fp8_linear_routes_decode_rows_to_the_gemv(monkeypatch):
     m.backend, m.quantize_input = "fp8-scaled-mm", True
     monkeypatch.setattr(fg, "tensor_cores_for_gemv", lambda device: True)
     monkeypatch.setattr(fg, "interpreting", lambda: False)  # pick_config's GPU rules; the kernels still interpret
+    monkeypatch.setattr(fg, "GEMV_TC_GROUPS_MIN_ELEMENTS", 0)  # this toy weight counts as large (16-row groups)
     for M in (1, fg.GEMV_TC_MAX_M, fg.GEMV_TC_MAX_M + 1):
         calls.clear()
         x = torch.randn(M, 64).to(torch.bfloat16)

@@ -483,14 +483,15 @@ def test_w4a16_gemv_tc_config_rules(monkeypatch):
     assert pick_config(1, "gemv", torch.bfloat16, 5376, 132, K) is wk.GEMV_WIDE_DEEP_CONFIG
     assert pick_config(1, "gemv", torch.float16, 5376, 132, K, tensor_cores=True) is wk.GEMV_CONFIG
     assert pick_config(16, "gemv", torch.bfloat16, 5376, 132, K, tensor_cores=True) is wk.GEMV_TC_CONFIG
-    assert pick_config(64, "gemv", torch.bfloat16, 5376, 132, K, tensor_cores=True) is wk.GEMV_TC_CONFIG  # 4 groups
-    assert pick_config(65, "gemv", torch.bfloat16, 5376, 132, K, tensor_cores=True) is wk.GEMV_CONFIG
+    assert pick_config(32, "gemv", torch.bfloat16, 5376, 132, K * 2, tensor_cores=True) is wk.GEMV_TC_CONFIG  # 2 groups
+    assert pick_config(32, "gemv", torch.bfloat16, 5376, 132, K, tensor_cores=True) is wk.GEMV_CONFIG  # 22 M: small
+    assert pick_config(33, "gemv", torch.bfloat16, 5376, 132, K, tensor_cores=True) is wk.GEMV_CONFIG
     assert pick_config(2, "gemv", torch.bfloat16, 4224, 132, 2816, tensor_cores=True) is wk.GEMV_TC_CONFIG  # any shape
     assert pick_config(2, "gemv", torch.bfloat16, 2816, 132, 2112, tensor_cores=True) is wk.GEMV_CONFIG  # but whole steps
     monkeypatch.undo()
     calls = _count_tc(monkeypatch)
     narrow = dataclasses.replace(TC, tc=False)
-    for x, q, s, gs in (_operands(65, 24, 128, torch.bfloat16, seed=70), _operands(1, 24, 128, torch.float16, seed=71)):
+    for x, q, s, gs in (_operands(33, 24, 128, torch.bfloat16, seed=70), _operands(1, 24, 128, torch.float16, seed=71)):
         out = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=TC, path="gemv")
         assert torch.equal(out, w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=narrow, path="gemv"))
     assert calls == []

@@ -54,7 +54,7 @@ W4A16 wide gemv does. Compiled offline for sm_90 with Triton 3.6 at M = 1 (integ
 as divisible by 16, as the real shapes are), its loop takes 3.5-3.9 SASS instructions per weight byte (4 or 8
 rows x 2048) against 5.7 for the 8-byte 8 x 4 x 1024 tile counted the same way, with 104-172 registers against 48.
 
-Tensor cores (``Fp8GemvConfig.tc``, sm_90+, bf16 x, M <= GEMV_TC_MAX_M = 16; ``pick_config``): the CUDA-core kernel
+Tensor cores (``Fp8GemvConfig.tc``, sm_90+, bf16 x, M <= GEMV_TC_MAX_M = 32; ``pick_config``): the CUDA-core kernel
 pays one FMA per weight byte and row of x, so from M = 2 the decode rows took W8A8 ``scaled_mm`` instead, which was
 slower than bf16 at M 2-16 (per-token quantisation launches, and cuBLAS's FP8 tiles at tiny M). Since 12-18 those
 rows, and M = 1 on the wide or large products, run the W4A16 tensor-core gemv's loop on e4m3 words
@@ -65,7 +65,8 @@ m, the per-row scale in the epilogue, split over K with the splits summed in the
 SASS instructions per weight byte in the loop at 128-wide steps, 3.6 at 256-wide (sm_90 compile). Same numerics as
 the CUDA-core kernel: exact products, fp32 sums, one rounding by the scale, one by the output cast. H200 12-18,
 chained with PDL (``h200-runs/2026-12-18/2-probe.jsonl``): 69-86 % of the load-only ceiling at M 1-16 on the six
-31B shapes; 31B FP8 TPOT c2 21.24 -> 10.96 ms, c4 21.51 -> 11.51, c16 25.43 -> 16.62, c1 11.85 -> 10.82.
+31B shapes; 31B FP8 TPOT c2 21.24 -> 10.96 ms, c4 21.51 -> 11.51, c16 25.43 -> 16.62, c1 11.85 -> 10.82. M 17-32
+run as two 16-row groups of programs (each decodes the weight tile; ``GEMV_TC_MAX_M``), W8A8 above.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ from perfkit.kernels.pdl import pdl_enter, pdl_launch
 from perfkit.kernels.stream import chain_args, chain_columns, stream_chain_us, stream_read_ms
 from perfkit.kernels.timing import graph_ms
 from perfkit.kernels.w4a16_gemm import (
+    GEMV_TC_GROUPS_MIN_ELEMENTS,
     HBM_BYTES_PER_S,
     W4A16Config,
     _finish_split,
@@ -333,7 +335,11 @@ INTERPRETER_CONFIG = Fp8GemvConfig(block_m=8, block_n=64, block_k=128, num_warps
 GEMV_TC_CONFIG = Fp8GemvConfig(block_m=1, block_n=64, block_k=256, num_warps=4, num_stages=3, tc=True)
 GEMV_TC_ROWS_CONFIG = Fp8GemvConfig(block_m=1, block_n=64, block_k=128, num_warps=4, num_stages=3, tc=True)
 GEMV_TC_WIDE_STEP_MAX_M = 8  # GEMV_TC_CONFIG up to here, GEMV_TC_ROWS_CONFIG above
-GEMV_TC_MAX_M = 64  # beyond 16 rows one program per 16-row group (w4a16_gemm.GEMV_TC_MAX_ROW_GROUPS)
+# Beyond 16 rows one program per 16-row group of x (``w4a16_gemm.GEMV_TC_MAX_ROW_GROUPS``), each decoding the weight
+# tile again. H200 12-18 (``7-groups.jsonl``, chained us, tc / W8A8): M = 32 5376 x 21504 67.49 / 82.05, 43008 x 5376
+# 121.10 / 112.56, 5376 x 8192 28.03 / 41.96; M = 64 122.81 / 84.35, 217.95 / 109.84, 50.18 / 43.57. Up to 32 rows:
+# 31B FP8 c32 forward_decode device mean 26.88 -> 26.15 ms (``7-e_f8_*.json``).
+GEMV_TC_MAX_M = 32
 GEMV_TC_M1_MIN_ELEMENTS = 100 * 1024 * 1024  # M = 1: the tc gemv where N >= K or N * K >= this
 INLINE_ASM_CVT = True  # GPU sm_89+: inline-PTX e4m3 -> fp32 (False: Triton's own conversion)
 
@@ -360,10 +366,12 @@ def pick_config(M: int, N: int, K: int, x: torch.Tensor) -> Fp8GemvConfig | None
     """The tile ``fp8_gemv`` runs for M rows of x against an N x K weight: the tensor-core tile for 1..GEMV_TC_MAX_M
     rows of bf16 x on sm_90+ with K a multiple of 64 (GEMV_TC_CONFIG up to GEMV_TC_WIDE_STEP_MAX_M rows, then
     GEMV_TC_ROWS_CONFIG; the step halved until it divides K: the 26B-A4B's 2112 runs 64-wide steps), at M = 1 only
-    where N >= K or N * K >= GEMV_TC_M1_MIN_ELEMENTS; else the CUDA-core tile up to FP8_GEMV_MAX_M rows; None
+    where N >= K or N * K >= GEMV_TC_M1_MIN_ELEMENTS, above 16 rows only from ``GEMV_TC_GROUPS_MIN_ELEMENTS`` (the
+    W4A16 rule: each 16-row group decodes the tile again); else the CUDA-core tile up to FP8_GEMV_MAX_M rows; None
     beyond: the product is not a decode gemv (``Fp8Linear`` then runs W8A8 ``scaled_mm``)."""
     wide = M > 1 or N >= K or N * K >= GEMV_TC_M1_MIN_ELEMENTS
-    if wide and not interpreting() and _tc_fits(M, x) and K % 64 == 0:
+    groups_ok = M <= 16 or N * K >= GEMV_TC_GROUPS_MIN_ELEMENTS  # above 16 rows only the large products (W4A16's rule)
+    if wide and groups_ok and not interpreting() and _tc_fits(M, x) and K % 64 == 0:
         cfg = GEMV_TC_CONFIG if M <= GEMV_TC_WIDE_STEP_MAX_M else GEMV_TC_ROWS_CONFIG
         bk = cfg.block_k
         while K % bk:

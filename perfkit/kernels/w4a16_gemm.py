@@ -54,9 +54,9 @@ the H200 sweep, ``python3 -m perfkit.kernels.w4a16_gemm --sweep``, sets them):
   ``e2m1 * 2^-126``, times the block scale as ``e4m3 * 2^118`` in one bf16x2 multiply: exact), and x is gathered
   in that order into the B tile. 3.7 instructions per weight element; split over K into enough programs, the
   last split of each row block summing the partials in a fixed order in the same launch (a caller-owned counter,
-  ``split_counter``). The same kernel takes M up to 16 rows of bf16 x (GEMV_TC_MAX_M; ``w4a16_gemm``'s auto path
+  ``split_counter``). The same kernel takes M up to 32 rows of bf16 x (GEMV_TC_MAX_M; ``w4a16_gemm``'s auto path
   routes them there from the dot path): row m of x in column m of the MMA's B tile, so the weight is streamed
-  once for all of them.
+  once for all of them; beyond 16 rows one program per 16-row group of x, neighbours in the grid (12-18).
 - ``dot`` (M between): the same decoded planes, times their block scales, joined in-thread into an exact fp32
   [BLOCK_N, BLOCK_K] tile in K order (the scales broadcast as [BLOCK_N, BLOCK_K/16, 1]: no reshape), cast to x's
   dtype and fed to a tensor-core ``tl.dot`` (fp32 accumulate; BLOCK_M >= 64 compiles to wgmma with the tile staged
@@ -756,7 +756,7 @@ def _tc_x_tile(x_ptr, stride_xm, M, k0, K, BK: tl.constexpr, ROWS: tl.constexpr)
 
 @triton.jit
 def _w4a16_gemv_tc_kernel(
-    x_ptr,  # [M, K] bf16, M <= 16
+    x_ptr,  # [M, K] bf16, M <= 16 * MG
     w_ptr,  # [N, K/8] int32 packed weight
     s_ptr,  # [N, K/16] uint8 raw e4m3 block scales
     gs_ptr,  # fp32 global scale: [1] / [N] (gs_stride 0 / 1)
@@ -1141,9 +1141,17 @@ GEMV_TC_MIN_K = 4096
 # M = 1. The dot path it replaces re-decodes the weight tile for its 16-row x tile at ~0.7 TB/s (H200 12-17 call
 # 3: 5376 x 21504 at M 2-16 84-85 us, against 28 us for M = 1 on this kernel). Beyond 16 rows (12-18): one program
 # per 16-row group of x and row block, the groups of a row block side by side in the grid so the weight tile comes
-# from DRAM about once (GEMV_TC_MAX_ROW_GROUPS groups: M <= 64; the split counters are sized for it).
-GEMV_TC_MAX_M = 64
+# from DRAM about once (up to GEMV_TC_MAX_ROW_GROUPS groups, M <= 64; the split counters are sized for it). Each
+# group decodes the tile again, so the time grows with the groups (H200 12-18 ``7-groups.jsonl``, chained us, tc /
+# dot: M = 32 5376 x 21504 65.68 / 109.73, 43008 x 5376 125.32 / 176.64, 5376 x 8192 28.60 / 45.84; M = 64 125.54 /
+# 109.82, 234.34 / 175.25, 53.55 / 47.47): the auto path takes it up to 32 rows. 31B NVFP4 c32 forward_decode
+# device mean 33.16 -> 25.09 ms (``7-e_nv_*.json``).
+GEMV_TC_MAX_M = 32
 GEMV_TC_MAX_ROW_GROUPS = 4
+# ... and only for products of GEMV_TC_GROUPS_MIN_ELEMENTS weight elements (the 31B's, 44-231 M, timed above): the
+# 26B-A4B's dense products (<= 26 M elements) take 0.57-0.88x the dot path's time at M = 16 (12-17 call 9), so two
+# groups, each decoding the tile, would lose to it.
+GEMV_TC_GROUPS_MIN_ELEMENTS = 32 * 1024 * 1024
 # At M 2-16 the alternative is the dot path, not the wide gemv that keeps the small products (26B-A4B's K 2816)
 # off the tensor cores at M = 1: every shape of whole 256-wide K steps takes the tensor-core gemv there
 # (GEMV_TC_ROWS_ANY_SHAPE). H200 12-17 call 9 (``9-rows26.jsonl``, chained us, tc / dot at M = 2-16): 8192 x 2816
@@ -1214,13 +1222,16 @@ def pick_config(
     by M: 16-row tiles up to M = 16, 64-row up to 64, 128-row beyond (fp32 activations: a smaller FMA tile); the
     gemv's with bf16 x, given N and the SM count: the tensor-core tile (``tensor_cores``: an sm_90+ GPU) at M = 1
     from GEMV_TC_MIN_ELEMENTS weight elements and K >= GEMV_TC_MIN_K, at M 2..GEMV_TC_MAX_M for every K of whole
-    steps (GEMV_TC_ROWS_ANY_SHAPE), else at M = 1 a wide tile by programs per SM (GEMV_WIDE_*). Under
+    steps (GEMV_TC_ROWS_ANY_SHAPE; above 16 rows from GEMV_TC_GROUPS_MIN_ELEMENTS), else at M = 1 a wide tile by
+    programs per SM (GEMV_WIDE_*). Under
     the CPU interpreter: INTERPRETER_CONFIG, clipped to the problem."""
     path = pick_path(M, path)
     if interpreting():
         return INTERPRETER_CONFIG
     if path == "gemv":
         if M > GEMV_TC_MAX_M or dtype != torch.bfloat16 or N is None or sms is None:
+            return GEMV_CONFIG
+        if M > 16 and (K is None or N * K < GEMV_TC_GROUPS_MIN_ELEMENTS):
             return GEMV_CONFIG
         big = K is not None and K >= GEMV_TC_MIN_K and N * K >= GEMV_TC_MIN_ELEMENTS
         rows = M > 1 and GEMV_TC_ROWS_ANY_SHAPE and K is not None and K % GEMV_TC_CONFIG.block_k == 0
@@ -1754,8 +1765,8 @@ def repack_words(weight: torch.Tensor) -> torch.Tensor:
     word with one rotation and one mask instead of two shifts and two masks (9 instead of 15 instructions per word;
     H200 12-16 / 12-17: 5-7 % faster chained where the grid is one wave of programs, 1.5-4 % slower where it is
     more: ``repack_pays``). Every path reads it with ``repacked=True``, the dot path 1-5 % slower at the same
-    SASS length (12-17 call 3, M 2-16, which now take the tensor-core gemv; in the engine c32 / c64 showed no
-    loss); ``unrepack_words`` undoes it."""
+    SASS length (12-17 call 3, M 2-16, which now take the tensor-core gemv, as M 17-32 do since 12-18; in the
+    engine c32 / c64 showed no loss); ``unrepack_words`` undoes it."""
     return _permute_bits(_words(weight), _rp_bit_map()).view(torch.uint8).view(weight.shape)
 
 

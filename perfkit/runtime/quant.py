@@ -179,7 +179,7 @@ def _mergeable(linears: list[nn.Module], cls: type) -> bool:
 
 
 def _tc_split_counter(m: nn.Module) -> Tensor | None:
-    """The int32 counter of ``m``'s weight for the tensor-core gemv at M <= 16 (its split-K partials summed in the
+    """The int32 counter of ``m``'s weight for the tensor-core gemv at small M (its split-K partials summed in the
     same launch; ``w4a16_gemm(split_counter=)``, ``fp8_gemv(split_counter=)``), made on the first call outside a
     CUDA-graph capture (the engine's eager warmup) and kept in ``m._split_counter``; the kernel leaves it at zero,
     and one module never runs twice at once. None while capturing before that: a second launch sums the splits."""
@@ -195,7 +195,7 @@ class Fp8Linear(nn.Module):
     """Drop-in for a bias-free ``nn.Linear``: e4m3 weight [N, K] + fp32 per-channel scales [N].
 
     Backend ``fp8-scaled-mm``: decode rows take the weight-only Triton GEMV (:func:`perfkit.kernels.fp8_gemv.fp8_gemv`:
-    x not quantised, the weight streamed once; ``fp8_gemv.pick_config``: M = 1 everywhere, M 2-16 of bf16 x on the
+    x not quantised, the weight streamed once; ``fp8_gemv.pick_config``: M = 1 everywhere, M 2-32 of bf16 x on the
     tensor-core form on sm_90+), because at small M the per-token activation quantisation (several tiny kernels per
     linear) plus ``_scaled_mm`` made FP8 decode slower than bf16 on the H200 (31B batch 1: 21.0 vs 16.7 ms TPOT;
     batch 4: 21.31 vs 17.86). Larger M: W8A8 (per-token scales + ``torch._scaled_mm``), or the torch weight-only
