@@ -21,10 +21,11 @@ def test_warmup_prefill_sizes_cover_both_divisibility_classes_at_three_scales():
     """The KV-sizing warmup prefills n, n // 8 and 64 tokens, each in both multiple-of-16 classes (Triton
     specialises integer arguments on it), so neither the largest chunk's kernels, nor those of the quantised MoE's
     sorted path (below dequant_min_pairs), nor the sorted GEMMs' decode tiles (257-1024 pairs) compile inside a
-    measured window; small n gives no size below 1 and no repeats."""
-    assert _warmup_prefill_tokens(8192) == [8192, 8191, 1024, 1023, 64, 63]
-    assert _warmup_prefill_tokens(4095) == [4095, 4080, 511, 496, 64, 63]
-    assert _warmup_prefill_tokens(64) == [64, 63, 8]
+    measured window; then the row counts of the quantised linears' own kernel forms (the dot path's 128-row tile,
+    the tensor-core gemv's 16-row groups, each in both classes); small n gives no size below 1 and no repeats."""
+    assert _warmup_prefill_tokens(8192) == [8192, 8191, 1024, 1023, 64, 63, 143, 128, 32, 31, 15]
+    assert _warmup_prefill_tokens(4095) == [4095, 4080, 511, 496, 64, 63, 143, 128, 32, 31, 15]
+    assert _warmup_prefill_tokens(64) == [64, 63, 8, 32, 31, 15]
     assert _warmup_prefill_tokens(8) == [8, 1]
     assert _warmup_prefill_tokens(1) == [1]
     for n in range(1, 300):

@@ -247,7 +247,8 @@ class Engine:
         kernels here, not in the first measured step that mixes decodes into a prefill chunk (H200 12-01h: 4
         compiles, 2.7 s, inside a 26B-A4B NVFP4 c64 window without it). Then the same pair at an eighth of the
         size: quantised MoE experts take another path below ``QuantizedExperts.dequant_min_pairs`` (12-01i: with
-        the dequant path the default, 4 compiles of the sorted GEMMs' prefill tiles inside a c64 window)."""
+        the dequant path the default, 4 compiles of the sorted GEMMs' prefill tiles inside a c64 window). Then the
+        small sizes whose quantised linears take their own kernel forms (``WARMUP_ROW_TOKENS``)."""
         n = min(self.ec.max_num_tokens, self.ec.max_model_len - 1)
         pages = {pool: self._pages_needed(spec.window, n + 1) + 1 for pool, spec in pool_specs(self.layers).items()}
         self._build(pages, graphs=False)
@@ -583,14 +584,19 @@ class Engine:
 # take their decode tiles (moe._tiles) and neither n nor n // 8 lands for any n >= 264. Without it a mixed step of
 # that size compiled them inside a measured window (12-06 call 1: 26B-A4B c16, _moe_gemm_kernel x2).
 WARMUP_SMALL_PREFILL_TOKENS = 64
+# Row counts whose quantised linears take a kernel form no other warmup size or decode graph reaches: the W4A16 dot
+# path's 128-row tile (M 65-143) in both multiple-of-16 classes, the tensor-core gemv's two 16-row groups (M 17-32)
+# in both, and its 16-row form off the class of the captured batch 16 (M 9-15). Without them a mixed step of such
+# a size compiled inside a measured window (H200 12-18 call 7: 31B NVFP4 c32, `_w4a16_dot_kernel` x3, 1.45 s).
+WARMUP_ROW_TOKENS = (143, 128, 32, 31, 15)
 
 
 def _warmup_prefill_tokens(n: int) -> list[int]:
     """The KV-sizing warmup's prefill sizes for a largest prefill of n tokens: n, n // 8 and
     WARMUP_SMALL_PREFILL_TOKENS (when below n), each with its other multiple-of-16 class (one fewer, or down to a
-    multiple of 16), as large as it can be; no size below 1."""
+    multiple of 16), as large as it can be, then the WARMUP_ROW_TOKENS below n; no size below 1, no repeats."""
     sizes: list[int] = []
     for m in (n, n // 8, WARMUP_SMALL_PREFILL_TOKENS if WARMUP_SMALL_PREFILL_TOKENS < n else 0):
         other = m - 1 if m % 16 == 0 else m - m % 16
         sizes += [t for t in (m, other) if t > 0 and t not in sizes]
-    return sizes
+    return sizes + [t for t in WARMUP_ROW_TOKENS if t < n and t not in sizes]
