@@ -214,7 +214,7 @@ def test_tc_gemv_config_rules(monkeypatch):
     64-wide steps (256-wide up to GEMV_TC_WIDE_STEP_MAX_M rows, then 128-wide; halved until the step divides K), at
     M = 1 only for wide (N >= K) or large (GEMV_TC_M1_MIN_ELEMENTS) products, above 16 rows only for the large ones, the CUDA-core tile at M = 1
     otherwise, None (the W8A8 path) beyond; without tensor cores one row. A tc tile the kernel cannot take (fp16 x,
-    M > 16) runs the CUDA-core default with the same result; bad tc tiles are refused."""
+    more than 4 groups of 16 rows) runs the CUDA-core default with the same result; bad tc tiles are refused."""
     monkeypatch.setattr(fg, "tensor_cores_for_gemv", lambda device: True)
     monkeypatch.setattr(fg, "interpreting", lambda: False)
     bf, half = torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(1, 8, dtype=torch.float16)
@@ -234,7 +234,7 @@ def test_tc_gemv_config_rules(monkeypatch):
     monkeypatch.setattr(fg, "tensor_cores_for_gemv", lambda device: False)
     assert fg.pick_config(1, 5376, 5376, bf) is GEMV_CONFIG and fg.pick_config(2, 5376, 5376, bf) is None
     monkeypatch.undo()
-    for M, dtype in ((fg.GEMV_TC_MAX_M + 1, torch.bfloat16), (3, torch.float16)):
+    for M, dtype in ((16 * fg.GEMV_TC_MAX_ROW_GROUPS + 1, torch.bfloat16), (3, torch.float16)):
         x, q, s = _operands(M, 24, 128, dtype, seed=M)
         assert torch.equal(fp8_gemv(x, q, s, config=TC), fp8_gemv(x, q, s))
     for bad in ({"block_n": 8}, {"block_k": 32}):

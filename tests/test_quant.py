@@ -469,7 +469,7 @@ def test_w4a16_gemv_tc_rows_are_each_rows_gemv(repacked, monkeypatch):
 def test_w4a16_gemv_tc_config_rules(monkeypatch):
     """pick_config takes the tensor-core tile with bf16 x on tensor cores at M = 1 from GEMV_TC_MIN_ELEMENTS weight
     elements and K >= GEMV_TC_MIN_K, at M 2..GEMV_TC_MAX_M for any shape of whole K steps; a tc tile elsewhere
-    (M > GEMV_TC_MAX_M, fp16 x)
+    (more than 4 groups of 16 rows, fp16 x)
     runs the narrow kernel with the same result; bad tc tiles and counters are refused; tc_split fills
     GEMV_TC_PROGRAMS_PER_SM programs per SM with whole steps."""
     import perfkit.kernels.w4a16_gemm as wk
@@ -491,7 +491,7 @@ def test_w4a16_gemv_tc_config_rules(monkeypatch):
     monkeypatch.undo()
     calls = _count_tc(monkeypatch)
     narrow = dataclasses.replace(TC, tc=False)
-    for x, q, s, gs in (_operands(33, 24, 128, torch.bfloat16, seed=70), _operands(1, 24, 128, torch.float16, seed=71)):
+    for x, q, s, gs in (_operands(65, 24, 128, torch.bfloat16, seed=70), _operands(1, 24, 128, torch.float16, seed=71)):
         out = w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=TC, path="gemv")
         assert torch.equal(out, w4a16_gemm(x, q, s, gs, out_dtype=torch.float32, config=narrow, path="gemv"))
     assert calls == []

@@ -90,6 +90,7 @@ from perfkit.kernels.stream import chain_args, chain_columns, stream_chain_us, s
 from perfkit.kernels.timing import graph_ms
 from perfkit.kernels.w4a16_gemm import (
     GEMV_TC_GROUPS_MIN_ELEMENTS,
+    GEMV_TC_MAX_ROW_GROUPS,
     HBM_BYTES_PER_S,
     W4A16Config,
     _finish_split,
@@ -350,9 +351,11 @@ def default_config() -> Fp8GemvConfig:
 
 
 def _tc_fits(M: int, x: torch.Tensor) -> bool:
-    """Whether the tensor-core gemv can take these rows: bf16 x (the MMA's B operand), at most GEMV_TC_MAX_M rows
-    (the MMA's 16 columns), on an sm_90+ GPU or the interpreter (its fp32 form)."""
-    return x.dtype == torch.bfloat16 and M <= GEMV_TC_MAX_M and (interpreting() or tensor_cores_for_gemv(x.device))
+    """Whether the tensor-core gemv can take these rows: bf16 x (the MMA's B operand), at most 16 rows per group of
+    programs and GEMV_TC_MAX_ROW_GROUPS groups, on an sm_90+ GPU or the interpreter (its fp32 form). Where it is
+    the default: ``pick_config``."""
+    fits = x.dtype == torch.bfloat16 and M <= 16 * GEMV_TC_MAX_ROW_GROUPS
+    return fits and (interpreting() or tensor_cores_for_gemv(x.device))
 
 
 def gemv_max_m(x_dtype: torch.dtype, device: torch.device | str) -> int:
@@ -371,7 +374,7 @@ def pick_config(M: int, N: int, K: int, x: torch.Tensor) -> Fp8GemvConfig | None
     beyond: the product is not a decode gemv (``Fp8Linear`` then runs W8A8 ``scaled_mm``)."""
     wide = M > 1 or N >= K or N * K >= GEMV_TC_M1_MIN_ELEMENTS
     groups_ok = M <= 16 or N * K >= GEMV_TC_GROUPS_MIN_ELEMENTS  # above 16 rows only the large products (W4A16's rule)
-    if wide and groups_ok and not interpreting() and _tc_fits(M, x) and K % 64 == 0:
+    if wide and groups_ok and M <= GEMV_TC_MAX_M and not interpreting() and _tc_fits(M, x) and K % 64 == 0:
         cfg = GEMV_TC_CONFIG if M <= GEMV_TC_WIDE_STEP_MAX_M else GEMV_TC_ROWS_CONFIG
         bk = cfg.block_k
         while K % bk:

@@ -616,6 +616,15 @@ def _tc_rp_asm(w, sf, J: tl.constexpr):
 
 
 @triton.jit
+def _tc_k_order(v0, v1, v2, v3, BN: tl.constexpr, BK: tl.constexpr):
+    """The four pair planes j = 0..3 of a step, each [BN, C, t, w, 2 (p)], as the MMA's A tile [BN, BK] in the
+    permuted K order (logical k 16 (2 w + j // 2) + 8 (j % 2) + 2 t + p): the NVFP4 and the FP8 tiles share it, and
+    with it ``_tc_x_tile``."""
+    v = tl.join(tl.join(v0, v1), tl.join(v2, v3))  # [BN, C, t, w, p, j % 2, j // 2]
+    return tl.reshape(tl.permute(v, (0, 1, 3, 6, 5, 2, 4)), (BN, BK))  # [BN, C, w, j // 2, j % 2, t, p]
+
+
+@triton.jit
 def _tc_tile(w_ptr, s_ptr, rr, stride_wn, stride_sn, k0, K, BN: tl.constexpr, BK: tl.constexpr,
              EVEN_K: tl.constexpr, INTERP: tl.constexpr, RP: tl.constexpr):  # fmt: skip
     """The step at k0 of rows ``rr`` as the MMA's A operand [BN, BK] in the permuted K order of
@@ -653,8 +662,7 @@ def _tc_tile(w_ptr, s_ptr, rr, stride_wn, stride_sn, k0, K, BN: tl.constexpr, BK
             v1 = _tc_pair_asm(w, sfb, 8)
             v2 = _tc_pair_asm(w, sfb, 4)
             v3 = _tc_pair_asm(w, sfb, 0)
-    v = tl.join(tl.join(v0, v1), tl.join(v2, v3))  # [BN, C, t, w, p, j % 2, j // 2]
-    return tl.reshape(tl.permute(v, (0, 1, 3, 6, 5, 2, 4)), (BN, BK))  # [BN, C, w, j // 2, j % 2, t, p]
+    return _tc_k_order(v0, v1, v2, v3, BN, BK)
 
 
 @triton.jit
@@ -724,8 +732,7 @@ def _tc_e4m3_tile(w_ptr, rr, stride_wn, k0, K, BN: tl.constexpr, BK: tl.constexp
         v1 = _tc_e4m3_pair_asm(a, b, 1)
         v2 = _tc_e4m3_pair_asm(a, b, 2)
         v3 = _tc_e4m3_pair_asm(a, b, 3)
-    v = tl.join(tl.join(v0, v1), tl.join(v2, v3))  # [BN, C, t, w, p, j % 2, j // 2]
-    return tl.reshape(tl.permute(v, (0, 1, 3, 6, 5, 2, 4)), (BN, BK))  # [BN, C, w, j // 2, j % 2, t, p]
+    return _tc_k_order(v0, v1, v2, v3, BN, BK)
 
 
 @triton.jit
@@ -1377,7 +1384,7 @@ def _launch_gemv(
     N = words.shape[-2]
     cfg = _fit(cfg, "gemv", M, N, K)
     per_row = expert_ids is not None
-    if cfg.tc and M <= GEMV_TC_MAX_M and not per_row and x.dtype == torch.bfloat16:
+    if cfg.tc and M <= 16 * GEMV_TC_MAX_ROW_GROUPS and not per_row and x.dtype == torch.bfloat16:
         return _launch_gemv_tc(x, words, scales, gs, gs_stride, out_dtype, cfg, split_counter, pdl, repacked)
     if cfg.wide and M == 1 and not per_row and _x64(x) and K % 32 == 0:
         return _launch_gemv_wide(x, words, scales, gs, gs_stride, out_dtype, cfg, pdl, repacked)
