@@ -790,11 +790,11 @@ def _w4a16_gemv_tc_kernel(
     FP8: tl.constexpr = 0,  # 1: e4m3 weights, w_ptr int32 [N, K/4], gs_ptr their fp32 per-row scales, s_ptr unused
     MG: tl.constexpr = 1,  # groups of 16 rows of x (M <= 16 * MG): program g of a row block takes rows [16 g, 16 g + 16)
 ):
-    """The small-M gemv on the tensor cores (``W4A16Config.tc``): rows [pid * BN, + BN) over split pid_k's share of
-    the K steps, weights on the MMA's M side and x's rows as its N side (``_tc_x_tile``, 16 per program). The splits
-    differ by at most one step (12-15's splits of
-    ceil(steps / SPLIT) left the last one short: 5376 x 8192 ran 6, 6, 6, 6, 6, 2 steps, now 5 and 6; chained with PDL
-    14.78 -> 14.09-14.39 us, the other 31B shapes within noise; H200 12-16 ``split_probe.py``). Each step's A operand
+    """The small-M gemv on the tensor cores (``W4A16Config.tc``): rows [(pid // MG) * BN, + BN) over split pid_k's
+    share of the K steps, weights on the MMA's M side and x's rows as its N side (``_tc_x_tile``, 16 per program).
+    The splits differ by at most one step (12-15's splits of ceil(steps / SPLIT) left the last one short: 5376 x 8192
+    ran 6, 6, 6, 6, 6, 2 steps, now 5 and 6; chained with PDL 14.78 -> 14.09-14.39 us, the other 31B shapes within
+    noise; H200 12-16 ``split_probe.py``). Each step's A operand
     comes straight from the words a thread loads (``_tc_tile``: the K order is permuted to the MMA fragment's, x
     gathered in the same order), so the multiply-add costs nothing per element; what is left is ~2.5 instructions per
     element of decode and block scale (3.7 per element in the loop against the wide CUDA-core gemv's 5.8, sm_90

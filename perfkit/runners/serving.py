@@ -405,7 +405,7 @@ def load_target(
     )
 
 
-def _quant_info(report: Any, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+def _quant_info(report: Any, dtype: torch.dtype, device: torch.device | str) -> dict[str, Any]:
     """What ran for the weights: recorded in every scenario's `runtime.quant` and printed at load."""
     if report is None:
         return {"scheme": "bf16", "backend": "dense"}
