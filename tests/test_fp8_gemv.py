@@ -177,9 +177,9 @@ TC = Fp8GemvConfig(block_m=1, block_n=64, block_k=64, num_warps=4, num_stages=3,
 def test_tc_gemv_matches_reference_and_each_row_is_its_own_launch():
     """The tensor-core gemv on e4m3 words (``tc``: the W4A16 kernel's loop, ``_tc_e4m3_tile``): within the bound
     of the reference at M 1-16 (row m of x in the MMA's column m) and 40 (three programs per row block, 16 rows of x
-    each), rows past N, a ragged last K step (masked), one
-    and several splits summed in the launch (the counter back at zero) or by a second launch; each output row equals
-    that row's M = 1 launch bit for bit (the MMA's columns are summed apart)."""
+    each), rows past N, a ragged last K step (masked), one and several splits summed in the launch (the counter back
+    at zero) or by a second launch; each output row equals that row's M = 1 launch bit for bit (the MMA's columns
+    are summed apart)."""
     from perfkit.kernels.w4a16_gemm import new_split_counter
 
     for M, N, K, bk, split in ((1, 80, 256, 64, None), (2, 80, 512, 128, 1), (16, 40, 1088, 128, 3),
@@ -212,9 +212,9 @@ def test_tc_gemv_decode_and_k_order_are_exact():
 def test_tc_gemv_config_rules(monkeypatch):
     """pick_config on a (faked) sm_90 GPU: the tensor-core tile for 2..GEMV_TC_MAX_M rows of bf16 x with K of whole
     64-wide steps (256-wide up to GEMV_TC_WIDE_STEP_MAX_M rows, then 128-wide; halved until the step divides K), at
-    M = 1 only for wide (N >= K) or large (GEMV_TC_M1_MIN_ELEMENTS) products, above 16 rows only for the large ones, the CUDA-core tile at M = 1
-    otherwise, None (the W8A8 path) beyond; without tensor cores one row. A tc tile the kernel cannot take (fp16 x,
-    more than 4 groups of 16 rows) runs the CUDA-core default with the same result; bad tc tiles are refused."""
+    M = 1 only for wide (N >= K) or large (GEMV_TC_M1_MIN_ELEMENTS) products, above 16 rows only for large ones
+    (GEMV_TC_GROUPS_MIN_ELEMENTS), the CUDA-core tile at M = 1 otherwise, None (the W8A8 path) beyond; without
+    tensor cores one row. A tc tile the kernel cannot take (fp16 x, more than 4 groups of 16 rows) runs the CUDA-core default with the same result; bad tc tiles are refused."""
     monkeypatch.setattr(fg, "tensor_cores_for_gemv", lambda device: True)
     monkeypatch.setattr(fg, "interpreting", lambda: False)
     bf, half = torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(1, 8, dtype=torch.float16)
@@ -227,7 +227,7 @@ def test_tc_gemv_config_rules(monkeypatch):
     assert fg.pick_config(4, 2816, 2112, bf) == dataclasses.replace(wide, block_k=64)  # 26B-A4B down
     assert fg.pick_config(2, 4224, 2816 + 128, bf) == dataclasses.replace(wide, block_k=128)
     assert fg.pick_config(fg.GEMV_TC_MAX_M + 1, 5376, 5376, bf) is None
-    assert fg.pick_config(17, 5376, 8192, bf) is rows and fg.pick_config(17, 2816, 8192, bf) is None  # groups: large only
+    assert fg.pick_config(17, 5376, 8192, bf) is rows and fg.pick_config(17, 2816, 8192, bf) is None  # 44 M / 23 M
     assert fg.pick_config(2, 5376, 5376 + 16, bf) is None and fg.pick_config(1, 5376, 5376 + 16, bf) is GEMV_CONFIG
     assert fg.pick_config(2, 5376, 5376, half) is None and fg.pick_config(1, 5376, 5376, half) is GEMV_CONFIG
     assert fg.gemv_max_m(torch.bfloat16, "cuda") == fg.GEMV_TC_MAX_M and fg.gemv_max_m(torch.float16, "cuda") == 1
@@ -482,9 +482,9 @@ def test_gpu_real_shapes_match_reference(M, N, K):
 @pytest.mark.parametrize("N,K", [(5376, 21504), (43008, 5376), (5376, 8192), (2816, 2112)])
 def test_gpu_tc_gemv_real_shapes_rows_and_graph(N, K):
     """The tensor-core gemv on e4m3 words (the GPU's PTX decode: prmt + bf16x2 multiply) at 31B shapes and the
-    26B-A4B's down (64-wide steps): M 1, 3 and 16 (the tile of M >= 2) within the reference's bound with the splits summed in the launch,
-    each row equal to its M = 1 launch bit for bit, and a CUDA graph of the launch replayed on new x equal to the
-    eager result, the counter back at zero."""
+    26B-A4B's down (64-wide steps): M 1, 3 and 16 (the tile of M >= 2) within the reference's bound with the splits
+    summed in the launch, each row equal to its M = 1 launch bit for bit, and a CUDA graph of the launch replayed on
+    new x equal to the eager result, the counter back at zero."""
     from perfkit.kernels.w4a16_gemm import new_split_counter
 
     for M in (1, 3, 16):

@@ -533,8 +533,8 @@ for split, even, fused, pdl, rp, xr, fp8 in ((1, True, False, 0, 0, 1, 0), (6, T
                                              (6, True, True, 1, 0, 16, 0), (6, True, True, 1, 1, 4, 0),
                                              (6, True, True, 1, 0, 1, 1), (6, True, True, 1, 0, 8, 1),
                                              (6, True, True, 1, 0, 16, 1)):
-    consts = {"BN": 64, "BK": 128 if xr > 8 and fp8 else 256, "SPLIT": split, "EVEN_K": even, "FUSED": fused, "INTERP": False,
-              "PDL": pdl, "RP": rp, "ROWS": xr, "FP8": fp8, "MG": 4 if xr == 16 else 1}
+    consts = {"BN": 64, "BK": 128 if xr > 8 and fp8 else 256, "SPLIT": split, "EVEN_K": even, "FUSED": fused,
+              "INTERP": False, "PDL": pdl, "RP": rp, "ROWS": xr, "FP8": fp8, "MG": 4 if xr == 16 else 1}
     try:
         names = list(sig)  # the launch's specialisation at the 31B shapes: pointers, sizes and strides % 16 == 0
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in ("gs_stride", "M")}

@@ -788,7 +788,7 @@ def _w4a16_gemv_tc_kernel(
     RP: tl.constexpr = 0,  # repacked words (``repack_words``)
     ROWS: tl.constexpr = 1,  # 1: M = 1, x broadcast to the MMA's 16 columns; 2-16: M <= ROWS rows (a power of 2)
     FP8: tl.constexpr = 0,  # 1: e4m3 weights, w_ptr int32 [N, K/4], gs_ptr their fp32 per-row scales, s_ptr unused
-    MG: tl.constexpr = 1,  # groups of 16 rows of x (M <= 16 * MG): program g of a row block takes rows [16 g, 16 g + 16)
+    MG: tl.constexpr = 1,  # 16-row groups of x (M <= 16 MG): program g of a row block takes rows [16 g, 16 g + 16)
 ):
     """The small-M gemv on the tensor cores (``W4A16Config.tc``): rows [(pid // MG) * BN, + BN) over split pid_k's
     share of the K steps, weights on the MMA's M side and x's rows as its N side (``_tc_x_tile``, 16 per program).

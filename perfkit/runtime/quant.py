@@ -234,7 +234,9 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = _flat(x)
-        gemv = pick_fp8_gemv_config(x2.shape[0], self.out_features, self.in_features, x2) if self.backend == "fp8-scaled-mm" else None
+        gemv = None
+        if self.backend == "fp8-scaled-mm":
+            gemv = pick_fp8_gemv_config(x2.shape[0], self.out_features, self.in_features, x2)
         if gemv is not None:  # decode rows: weight-only GEMV
             counter = _tc_split_counter(self) if gemv.tc else None
             y = fp8_gemv(x2, self.weight, self.weight_scale, config=gemv, pdl=self.pdl, split_counter=counter)
