@@ -456,6 +456,50 @@ def test_fp8_linear_routes_decode_rows_to_the_gemv(monkeypatch):
     assert m._split_counter is not None and not m._split_counter.any()
 
 
+def test_fp8_model_runs_decode_rows_on_the_tensor_core_gemv(monkeypatch):
+    """A tiny bf16 model with FP8 weights, backend fp8-scaled-mm and a (faked) sm_90 GPU's rules: forwards of 1, 7
+    and 20 tokens run every FP8 linear at M > 1 on the tensor-core gemv (20: two 16-row groups), at M = 1 where
+    pick_config gives it; every linear's output (q / k / v and gate / up views of the merged rows included) is the
+    weight-only torch reference's within one bf16 ulp (the interpreter truncates the output cast where the GPU
+    rounds), and each module's counter is back at zero. Per linear, not on the logits: a random tiny model in bf16
+    turns one ulp per linear into several % of its logits."""
+    from perfkit.kernels.fp8 import fp8_linear_ref
+    from perfkit.runtime.attention.contiguous import ContiguousAttention
+    from perfkit.runtime.model_config import get_preset
+    from perfkit.runtime.weights import build_model
+
+    monkeypatch.setattr(fg, "tensor_cores_for_gemv", lambda device: True)
+    monkeypatch.setattr(fg, "interpreting", lambda: False)
+    monkeypatch.setattr(fg, "GEMV_TC_GROUPS_MIN_ELEMENTS", 0)
+    model = build_model(get_preset("tiny"), "cpu", torch.bfloat16, seed=0)
+    quant.quantize_model_(model, "fp8")
+    lins = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    errs: list[float] = []
+
+    def check(mod, args, out):
+        x2 = args[0].reshape(-1, mod.in_features)
+        ref = fp8_linear_ref(x2, mod.weight, mod.weight_scale, quantize_input=False).float()
+        errs.append(((out.reshape(ref.shape).float() - ref).abs() / (ref.abs() + 1e-3)).max().item())
+
+    for m in lins:
+        m.backend, m.quantize_input = "fp8-scaled-mm", False
+        m.register_forward_hook(check)
+    tiles: list[bool] = []
+    real = quant.fp8_gemv
+    monkeypatch.setattr(quant, "fp8_gemv", lambda *a, **kw: (tiles.append(kw["config"].tc), real(*a, **kw))[1])
+    ids = torch.randint(3, 500, (20,), generator=torch.Generator().manual_seed(2))
+    for T in (1, 7, 20):
+        tiles.clear()
+        errs.clear()
+        attn = ContiguousAttention()
+        attn.prepare(T, torch.zeros_like(ids[:T]))
+        with torch.no_grad():
+            model(ids[:T], torch.arange(T), attn)
+        assert len(tiles) == len(errs) > 0 and (all(tiles) if T > 1 else any(tiles))
+        assert max(errs) <= 2.0**-7, (T, max(errs))
+    assert all(m._split_counter is not None and not m._split_counter.any() for m in lins)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # GPU (H200): real 31B shapes
 # --------------------------------------------------------------------------------------------------------------
