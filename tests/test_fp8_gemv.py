@@ -175,17 +175,18 @@ TC = Fp8GemvConfig(block_m=1, block_n=64, block_k=64, num_warps=4, num_stages=3,
 
 
 def test_tc_gemv_matches_reference_and_each_row_is_its_own_launch():
-    """The tensor-core gemv on e4m3 words (``tc``: the W4A16 kernel's loop, ``_tc_e4m3_tile``): within the bound
-    of the reference at M 1-16 (row m of x in the MMA's column m) and 40 (three programs per row block, 16 rows of x
-    each), rows past N, a ragged last K step (masked), one and several splits summed in the launch (the counter back
-    at zero) or by a second launch; each output row equals that row's M = 1 launch bit for bit (the MMA's columns
-    are summed apart)."""
+    """The tensor-core gemv on e4m3 words (``tc``: the W4A16 kernel's loop, ``_tc_e4m3_tile``): within the bound of the
+    reference at M 1-16 (row m of x in the MMA's column m) and 40 (three programs per row block, 16 rows of x each, or
+    two of 32 with ``tc_cols`` 32), rows past N, a ragged last K step (masked), one and several splits summed in the
+    launch (the counter back at zero) or by a second launch; each output row equals that row's M = 1 launch bit for bit
+    (the MMA's columns are summed apart)."""
     from perfkit.kernels.w4a16_gemm import new_split_counter
 
-    for M, N, K, bk, split in ((1, 80, 256, 64, None), (2, 80, 512, 128, 1), (16, 40, 1088, 128, 3),
-                               (7, 80, 320, 64, 5), (40, 80, 256, 64, 3)):  # fmt: skip
+    cases = ((1, 80, 256, 64, None, 16), (2, 80, 512, 128, 1, 16), (16, 40, 1088, 128, 3, 16),
+             (7, 80, 320, 64, 5, 16), (40, 80, 256, 64, 3, 16), (40, 80, 256, 64, 3, 32))  # fmt: skip
+    for M, N, K, bk, split, cols in cases:
         x, q, s = _operands(M, N, K, torch.bfloat16, seed=40 + M)
-        cfg = dataclasses.replace(TC, block_k=bk, split_k=split)
+        cfg = dataclasses.replace(TC, block_k=bk, split_k=split, tc_cols=cols)
         counter = new_split_counter(N, DEVICE)
         out = fp8_gemv(x, q, s, config=cfg, split_counter=counter, out_dtype=torch.float32)
         _assert_close(out, x, q, s)
@@ -211,10 +212,11 @@ def test_tc_gemv_decode_and_k_order_are_exact():
 
 def test_tc_gemv_config_rules(monkeypatch):
     """pick_config on a (faked) sm_90 GPU: the tensor-core tile for 2..GEMV_TC_MAX_M rows of bf16 x with K of whole
-    64-wide steps (256-wide up to GEMV_TC_WIDE_STEP_MAX_M rows, then 128-wide; halved until the step divides K), at
-    M = 1 only for wide (N >= K) or large (GEMV_TC_M1_MIN_ELEMENTS) products, above 16 rows only for large ones
-    (GEMV_TC_GROUPS_MIN_ELEMENTS), the CUDA-core tile at M = 1 otherwise, None (the W8A8 path) beyond; without
-    tensor cores one row. A tc tile the kernel cannot take (fp16 x, more than 4 groups of 16 rows) runs the CUDA-core default with the same result; bad tc tiles are refused."""
+    64-wide steps (256-wide up to GEMV_TC_WIDE_STEP_MAX_M rows, then 128-wide; halved until the step divides K), at M =
+    1 only for wide (N >= K) or large (GEMV_TC_M1_MIN_ELEMENTS) products, above 16 rows only for large ones
+    (GEMV_TC_GROUPS_MIN_ELEMENTS), the CUDA-core tile at M = 1 otherwise, None (the W8A8 path) beyond; without tensor
+    cores one row. A tc tile the kernel cannot take (fp16 x, more than 4 groups of 16 rows) runs the CUDA-core default
+    with the same result; bad tc tiles are refused."""
     monkeypatch.setattr(fg, "tensor_cores_for_gemv", lambda device: True)
     monkeypatch.setattr(fg, "interpreting", lambda: False)
     bf, half = torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(1, 8, dtype=torch.float16)
@@ -237,7 +239,7 @@ def test_tc_gemv_config_rules(monkeypatch):
     for M, dtype in ((16 * fg.GEMV_TC_MAX_ROW_GROUPS + 1, torch.bfloat16), (3, torch.float16)):
         x, q, s = _operands(M, 24, 128, dtype, seed=M)
         assert torch.equal(fp8_gemv(x, q, s, config=TC), fp8_gemv(x, q, s))
-    for bad in ({"block_n": 8}, {"block_k": 32}):
+    for bad in ({"block_n": 8}, {"block_k": 32}, {"tc_cols": 64}):
         with pytest.raises(ValueError, match="tc: block_n >= 16"):
             dataclasses.replace(TC, **bad)
 

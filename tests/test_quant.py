@@ -446,8 +446,8 @@ def test_w4a16_repacked_words_give_the_same_result(M, path, cfg):
 @pytest.mark.parametrize("repacked", [False, True])
 def test_w4a16_gemv_tc_rows_are_each_rows_gemv(repacked, monkeypatch):
     """The tensor-core gemv at M = 2..16 (row m of x in column m of the MMA's B tile, loaded in memory order and
-    permuted to the K order) and 33 (three programs per row block of 16 rows of x each): each output row equals that
-    row's M = 1 launch bit for bit (the columns of an MMA are summed apart) and the reference within the fp32 bound; 1 or 3 splits summed in the launch, a ragged last
+    permuted to the K order) and 33 (three programs per row block of 16 rows of x each, or two of 32 with
+    ``tc_cols`` 32): each output row equals that row's M = 1 launch bit for bit (the columns of an MMA are summed apart) and the reference within the fp32 bound; 1 or 3 splits summed in the launch, a ragged last
     K step, per-row global scales, the counter back at zero."""
     calls = _count_tc(monkeypatch)
     for M, K, per_row in ((2, 512, False), (16, 1088, True), (7, 256, False), (33, 256, True)):
@@ -455,7 +455,7 @@ def test_w4a16_gemv_tc_rows_are_each_rows_gemv(repacked, monkeypatch):
         w = repack_words(q) if repacked else q
         ref = w4a16_gemm_ref(x, q, s, gs, out_dtype=torch.float32)
         for split in (1, 3):
-            cfg = dataclasses.replace(TC, block_k=64, split_k=split)
+            cfg = dataclasses.replace(TC, block_k=64, split_k=split, tc_cols=32 if split == 3 else 16)
             counter = new_split_counter(80, DEVICE)
             out = w4a16_gemm(x, w, s, gs, out_dtype=torch.float32, config=cfg, path="gemv", split_counter=counter,
                              repacked=repacked)  # fmt: skip
@@ -532,9 +532,11 @@ for split, even, fused, pdl, rp, xr, fp8 in ((1, True, False, 0, 0, 1, 0), (6, T
                                              (6, True, True, 1, 0, 1, 0), (6, True, True, 1, 1, 1, 0),
                                              (6, True, True, 1, 0, 16, 0), (6, True, True, 1, 1, 4, 0),
                                              (6, True, True, 1, 0, 1, 1), (6, True, True, 1, 0, 8, 1),
-                                             (6, True, True, 1, 0, 16, 1)):
-    consts = {"BN": 64, "BK": 128 if xr > 8 and fp8 else 256, "SPLIT": split, "EVEN_K": even, "FUSED": fused,
-              "INTERP": False, "PDL": pdl, "RP": rp, "ROWS": xr, "FP8": fp8, "MG": 4 if xr == 16 else 1}
+                                             (6, True, True, 1, 0, 16, 1), (6, True, True, 1, 0, 32, 1),
+                                             (6, True, True, 1, 1, 32, 0)):
+    consts = {"BN": 64, "BK": 128 if (xr > 8 and fp8) or xr == 32 else 256, "SPLIT": split, "EVEN_K": even,
+              "FUSED": fused, "INTERP": False, "PDL": pdl, "RP": rp, "ROWS": xr, "FP8": fp8,
+              "MG": {16: 4, 32: 2}.get(xr, 1), "NC": 32 if xr == 32 else 16}
     try:
         names = list(sig)  # the launch's specialisation at the 31B shapes: pointers, sizes and strides % 16 == 0
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in ("gs_stride", "M")}
@@ -570,10 +572,11 @@ def test_w4a16_gemv_tc_compiles_for_sm90():
     spills. On FP8 words (``FP8``, the tiles of
     ``fp8_gemv``: 256-wide steps up to 8 rows, 128-wide for 16) the pairs come from ``prmt`` and the same bf16x2
     multiply (12-18 compile: 123 registers at M = 1; at 8 rows 128 registers and 16 bytes of stack, 3 words
-    spilled, a form the H200 timed 1-6 % faster than the unspilled 128-wide step on 5 of the 6 31B shapes)."""
+    spilled, a form the H200 timed 1-6 % faster than the unspilled 128-wide step on 5 of the 6 31B shapes). With
+    32 rows of x per program (``tc_cols`` 32, 128-wide steps), FP8 and repacked NVFP4, within 128 registers too."""
     from aot import sm90_rows
 
-    assert sm90_rows(_TC_SM90_COMPILE) == [True] * 11
+    assert sm90_rows(_TC_SM90_COMPILE) == [True] * 13
 
 
 def test_w4a16_split_k_rule():

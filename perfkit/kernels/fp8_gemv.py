@@ -285,8 +285,8 @@ class Fp8GemvConfig:
     loads; the form that took the W4A16 gemv from 51-62 % to 59-66 % of the read ceiling; keep block_k a multiple
     of 512 * num_warps for it). ``tc``: the tensor-core gemv instead (``w4a16_gemm._w4a16_gemv_tc_kernel`` on e4m3
     words: block_n weight rows as the MMA's M side, >= 16; block_k >= 64; num_stages its cp.async stages; block_m
-    and group unused); it takes bf16 x on sm_90+ (and the interpreter), other x runs the CUDA-core kernel's default
-    tile. Sizes are powers of two (ValueError otherwise)."""
+    and group unused; ``tc_cols`` as ``W4A16Config``'s); it takes bf16 x on sm_90+ (and the interpreter), other x
+    runs the CUDA-core kernel's default tile. Sizes are powers of two (ValueError otherwise)."""
 
     block_m: int
     block_n: int
@@ -296,16 +296,19 @@ class Fp8GemvConfig:
     split_k: int | None = None
     group: int = 8
     tc: bool = False
+    tc_cols: int = 16
 
     def __post_init__(self) -> None:
         ok = all(_pow2(v) for v in (self.block_m, self.block_n, self.block_k, self.num_warps))
         ok = ok and self.block_k >= 16 and isinstance(self.num_stages, int) and self.num_stages >= 1
         ok = ok and (self.split_k is None or (isinstance(self.split_k, int) and self.split_k >= 1))
-        ok = ok and self.group in (8, 16) and (not self.tc or (self.block_n >= 16 and self.block_k >= 64))
+        ok = ok and self.group in (8, 16) and self.tc_cols in (16, 32)
+        ok = ok and (not self.tc or (self.block_n >= 16 and self.block_k >= 64))
         if not ok:
             raise ValueError(
                 f"bad Fp8GemvConfig {self}: block_m, block_n, block_k and num_warps must be powers of two, "
-                "block_k >= 16, num_stages >= 1, split_k None or >= 1, group 8 or 16; tc: block_n >= 16, block_k >= 64"
+                "block_k >= 16, num_stages >= 1, split_k None or >= 1, group 8 or 16, tc_cols 16 or 32; "
+                "tc: block_n >= 16, block_k >= 64"
             )
 
 
@@ -483,7 +486,8 @@ def fp8_gemv(
     scale = weight_scale.contiguous()
     words = _words(weight)  # [N, K/4] int32
     if cfg.tc:
-        tile = W4A16Config(1, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, split_k=cfg.split_k, tc=True)
+        tile = W4A16Config(1, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, split_k=cfg.split_k, tc=True,
+                           tc_cols=cfg.tc_cols)  # fmt: skip
         tile = _fit_w4a16(tile, "gemv", M, N, K)  # clipped to tiny problems as the W4A16 tc tile is
         return _launch_gemv_tc(x, words, words, scale, 1, out_dtype, tile, split_counter, pdl, fp8=True)
     bm, bn, bk = _fit(cfg, M, N, K)

@@ -736,7 +736,7 @@ def _tc_e4m3_tile(w_ptr, rr, stride_wn, k0, K, BN: tl.constexpr, BK: tl.constexp
 
 
 @triton.jit
-def _tc_x_tile(x_ptr, stride_xm, M, k0, K, BK: tl.constexpr, ROWS: tl.constexpr):
+def _tc_x_tile(x_ptr, stride_xm, M, k0, K, BK: tl.constexpr, ROWS: tl.constexpr, NC: tl.constexpr):
     """x's elements of the step at k0 in ``_tc_tile``'s K order, as the MMA's B operand [BK, 16] (the dot needs
     N >= 16): ROWS 1, x's one row in every column (column 0 is used); ROWS 2-16, row m of x in column m < M.
     Zeros past K."""
@@ -745,7 +745,7 @@ def _tc_x_tile(x_ptr, stride_xm, M, k0, K, BK: tl.constexpr, ROWS: tl.constexpr)
     phys = k0 + 64 * (k // 64) + 16 * ((k // 2) % 4) + 8 * (b // 2) + 2 * (b % 2) + (k // 8) % 2 + 4 * (k % 2)
     if ROWS == 1:
         xv = tl.load(x_ptr + phys, mask=phys < K, other=0.0)
-        return tl.broadcast_to(xv[:, None], (BK, 16))
+        return tl.broadcast_to(xv[:, None], (BK, NC))
     # ROWS > 1: ROWS rows (M <= ROWS; rows past M re-read row M - 1, whose products are never stored) loaded in
     # memory order (16-byte vectors), then put in the K order above, a permutation of the bits of k within each 64:
     # logical (b1, b0, k3, k1, k0) holds physical 16 k1 + 8 b1 + 4 k0 + 2 b0 + k3. Column c holds row c % ROWS, so
@@ -756,14 +756,14 @@ def _tc_x_tile(x_ptr, stride_xm, M, k0, K, BK: tl.constexpr, ROWS: tl.constexpr)
     xn = tl.load(xp, mask=(kk < K)[None, :], other=0.0)  # [ROWS (m), BK] in memory order
     v = tl.permute(tl.reshape(xn, (ROWS, C, 4, 2, 2, 2, 2)), (0, 1, 3, 5, 6, 2, 4))  # [m, C, b1, b0, k3, k1, k0]
     v = tl.reshape(v, (ROWS, BK))
-    if ROWS < 16:
-        v = tl.reshape(tl.broadcast_to(v[None, :, :], (16 // ROWS, ROWS, BK)), (16, BK))
+    if ROWS < NC:
+        v = tl.reshape(tl.broadcast_to(v[None, :, :], (NC // ROWS, ROWS, BK)), (NC, BK))
     return tl.trans(v)
 
 
 @triton.jit
 def _w4a16_gemv_tc_kernel(
-    x_ptr,  # [M, K] bf16, M <= 16 * MG
+    x_ptr,  # [M, K] bf16, M <= NC * MG
     w_ptr,  # [N, K/8] int32 packed weight
     s_ptr,  # [N, K/16] uint8 raw e4m3 block scales
     gs_ptr,  # fp32 global scale: [1] / [N] (gs_stride 0 / 1)
@@ -788,7 +788,8 @@ def _w4a16_gemv_tc_kernel(
     RP: tl.constexpr = 0,  # repacked words (``repack_words``)
     ROWS: tl.constexpr = 1,  # 1: M = 1, x broadcast to the MMA's 16 columns; 2-16: M <= ROWS rows (a power of 2)
     FP8: tl.constexpr = 0,  # 1: e4m3 weights, w_ptr int32 [N, K/4], gs_ptr their fp32 per-row scales, s_ptr unused
-    MG: tl.constexpr = 1,  # 16-row groups of x (M <= 16 MG): program g of a row block takes rows [16 g, 16 g + 16)
+    MG: tl.constexpr = 1,  # NC-row groups of x (M <= NC MG): program g of a row block takes rows [NC g, NC g + NC)
+    NC: tl.constexpr = 16,  # the MMA's columns (rows of x) per program: 16, or 32 (``W4A16Config.tc_cols``)
 ):
     """The small-M gemv on the tensor cores (``W4A16Config.tc``): rows [(pid // MG) * BN, + BN) over split pid_k's
     share of the K steps, weights on the MMA's M side and x's rows as its N side (``_tc_x_tile``, 16 per program).
@@ -810,21 +811,21 @@ def _w4a16_gemv_tc_kernel(
     k_hi = tl.minimum(((tl.program_id(1) + 1) * steps // SPLIT) * BK, K)
     rows = (pid // MG) * BN + tl.arange(0, BN)
     rr = tl.minimum(rows, N - 1).to(tl.int64)
-    m0 = (pid % MG) * 16  # this program's first row of x
-    col = tl.arange(0, 16)
-    acc = tl.zeros((BN, 16), dtype=tl.float32)
+    m0 = (pid % MG) * NC  # this program's first row of x
+    col = tl.arange(0, NC)
+    acc = tl.zeros((BN, NC), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         if FP8:
             a = _tc_e4m3_tile(w_ptr, rr, stride_wn, k0, K, BN, BK, EVEN_K, INTERP)
         else:
             a = _tc_tile(w_ptr, s_ptr, rr, stride_wn, stride_sn, k0, K, BN, BK, EVEN_K, INTERP, RP)
-        xb = _tc_x_tile(x_ptr + m0 * stride_xm, stride_xm, M - m0, k0, K, BK, ROWS)
+        xb = _tc_x_tile(x_ptr + m0 * stride_xm, stride_xm, M - m0, k0, K, BK, ROWS, NC)
         if INTERP:
             acc = tl.dot(a, xb.to(tl.float32), acc)
         else:
             acc = tl.dot(a, xb, acc)
     if FP8:
-        y = acc * tl.load(gs_ptr + rr * gs_stride)[:, None]  # [BN, 16]: column m is row m of the output
+        y = acc * tl.load(gs_ptr + rr * gs_stride)[:, None]  # [BN, NC]: column m is row m0 + m of the output
     else:
         y = acc * 256.0 * tl.load(gs_ptr + rr * gs_stride)[:, None]  # the tile's 2^-8 undone with the global scale
     offs = (m0 + col)[None, :] * N + rows[:, None]  # [M, N] (and each split's [M, N] of partials)
@@ -836,7 +837,7 @@ def _w4a16_gemv_tc_kernel(
         if FUSED:  # the last split of the row block to count sums all partials in a fixed order, then resets
             tl.debug_barrier()  # every thread's partial stored before the release half of the count
             if tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-                tot = tl.zeros((BN, 16), dtype=tl.float32)
+                tot = tl.zeros((BN, NC), dtype=tl.float32)
                 for i in tl.static_range(SPLIT):  # unrolled: the loads in flight together
                     tot += tl.load(part_ptr + i * M * N + offs, mask=ok, other=0.0, cache_modifier=".cg")
                 tl.store(out_ptr + offs, tot.to(out_ptr.dtype.element_ty), mask=ok)
@@ -1086,9 +1087,12 @@ class W4A16Config:
     that the pipeliner stages by cp.async (the loop-carried pointers lose the alignment; the quantised MoE GEMMs'
     SCALES_VEC, which ncu motivated). It needs at least 4 scales per thread: ``block_n * block_k / 16 >=
     128 * num_warps``.
-    ``tc`` (gemv; M = 1, bf16 x, else the narrow kernel with the same tile): ``_w4a16_gemv_tc_kernel`` on the tensor
-    cores, ``block_n`` weight rows per program as the MMA's M (>= 16; 64 fills a Hopper warpgroup MMA), ``block_k``
-    a multiple of 64; ``split_k`` None = enough splits for GEMV_TC_PROGRAMS_PER_SM programs per SM."""
+    ``tc`` (gemv; up to 64 rows of bf16 x, else the narrow kernel with the same tile): ``_w4a16_gemv_tc_kernel`` on
+    the tensor cores, ``block_n`` weight rows per program as the MMA's M (>= 16; 64 fills a Hopper warpgroup MMA),
+    ``block_k`` a multiple of 64; ``split_k`` None = enough splits for GEMV_TC_PROGRAMS_PER_SM programs per SM.
+    ``tc_cols``: rows of x per program above 16 rows, as the MMA's N: 16 (one program per 16-row group, each
+    decoding the weight tile; the default) or 32 (one program decodes it once for 32 rows: 127 registers at 128-wide
+    steps in the sm_90 compile of 12-18, 167 at 256-wide; not timed on a GPU yet)."""
 
     block_m: int
     block_n: int
@@ -1102,6 +1106,7 @@ class W4A16Config:
     scales_ahead: bool = False
     scales_vec: bool = False
     tc: bool = False
+    tc_cols: int = 16
 
 
 # gemv: 4 weight rows x 512 K = 1 KB of weight per program and step, two more steps in flight (prefetch=2):
@@ -1269,7 +1274,7 @@ def _validate_config(cfg: W4A16Config, path: str) -> None:
     ok = ok and (cfg.split_k is None or cfg.split_k >= 1) and cfg.num_stages >= 1 and cfg.prefetch in (1, 2)
     ok = ok and (not cfg.wide or (path == "gemv" and cfg.block_n >= 2 and cfg.block_k >= 32))
     ok = ok and (not (cfg.swap_ab or cfg.scales_ahead or cfg.scales_vec) or path == "dot")
-    tc_ok = path == "gemv" and not cfg.wide and cfg.block_n >= 16 and cfg.block_k >= 64
+    tc_ok = path == "gemv" and not cfg.wide and cfg.block_n >= 16 and cfg.block_k >= 64 and cfg.tc_cols in (16, 32)
     ok = ok and (not cfg.tc or tc_ok)
     if not ok:
         raise ValueError(
@@ -1281,7 +1286,7 @@ def _validate_config(cfg: W4A16Config, path: str) -> None:
                 if cfg.swap_ab or cfg.scales_ahead or cfg.scales_vec
                 else ""
             )
-            + ("; tc: the gemv path only, not wide, block_n >= 16, block_k >= 64" if cfg.tc else "")
+            + ("; tc: the gemv path only, not wide, block_n >= 16, block_k >= 64, tc_cols 16 or 32" if cfg.tc else "")
         )
 
 
@@ -1476,8 +1481,9 @@ def _launch_gemv_tc(
     weights as int32 [N, K/4], ``gs`` their per-row scales (gs_stride 1), ``scales`` unused."""
     M, K = x.shape
     N = words.shape[0]
-    groups = triton.cdiv(M, 16)  # programs per row block, 16 rows of x each
-    if groups > GEMV_TC_MAX_ROW_GROUPS:
+    cols = cfg.tc_cols if M > 16 else 16  # rows of x per program: the MMA's N
+    groups = triton.cdiv(M, cols)  # programs per row block
+    if M > 16 * GEMV_TC_MAX_ROW_GROUPS:
         raise ValueError(f"the tensor-core gemv takes at most {16 * GEMV_TC_MAX_ROW_GROUPS} rows of x, got {M}")
     split = tc_split(N, K, cfg, sm_count(x.device), groups)
     blocks = triton.cdiv(N, cfg.block_n) * groups
@@ -1490,7 +1496,7 @@ def _launch_gemv_tc(
         x, words, scales, gs, out, part, counter if fused else words, M, x.stride(0), N, K,
         triton.cdiv(K, cfg.block_k), words.stride(0), scales.stride(0), gs_stride, BN=cfg.block_n, BK=cfg.block_k,
         SPLIT=split, EVEN_K=K % cfg.block_k == 0, FUSED=fused, INTERP=interpreting(), RP=int(repacked),
-        ROWS=triton.next_power_of_2(min(M, 16)), FP8=int(fp8), MG=groups, num_warps=cfg.num_warps,
+        ROWS=triton.next_power_of_2(min(M, cols)), FP8=int(fp8), MG=groups, NC=cols, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch(pdl),
         **({"maxnreg": GEMV_TC_ROWS_MAX_REGISTERS} if M > 1 and not interpreting() else {}),
