@@ -236,7 +236,9 @@ def test_tc_gemv_config_rules(monkeypatch):
     monkeypatch.setattr(fg, "tensor_cores_for_gemv", lambda device: False)
     assert fg.pick_config(1, 5376, 5376, bf) is GEMV_CONFIG and fg.pick_config(2, 5376, 5376, bf) is None
     monkeypatch.undo()
-    for M, dtype in ((16 * fg.GEMV_TC_MAX_ROW_GROUPS + 1, torch.bfloat16), (3, torch.float16)):
+    from perfkit.kernels.w4a16_gemm import GEMV_TC_MAX_ROW_GROUPS
+
+    for M, dtype in ((16 * GEMV_TC_MAX_ROW_GROUPS + 1, torch.bfloat16), (3, torch.float16)):
         x, q, s = _operands(M, 24, 128, dtype, seed=M)
         assert torch.equal(fp8_gemv(x, q, s, config=TC), fp8_gemv(x, q, s))
     for bad in ({"block_n": 8}, {"block_k": 32}, {"tc_cols": 64}):

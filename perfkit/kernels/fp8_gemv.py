@@ -90,12 +90,12 @@ from perfkit.kernels.stream import chain_args, chain_columns, stream_chain_us, s
 from perfkit.kernels.timing import graph_ms
 from perfkit.kernels.w4a16_gemm import (
     GEMV_TC_GROUPS_MIN_ELEMENTS,
-    GEMV_TC_MAX_ROW_GROUPS,
     HBM_BYTES_PER_S,
     W4A16Config,
     _finish_split,
     _launch_gemv_tc,
-    tc_split,
+    tc_grid,
+    tc_rows_fit,
     tensor_cores_for_gemv,
 )
 from perfkit.kernels.w4a16_gemm import _fit as _fit_w4a16
@@ -357,8 +357,14 @@ def _tc_fits(M: int, x: torch.Tensor) -> bool:
     """Whether the tensor-core gemv can take these rows: bf16 x (the MMA's B operand), at most 16 rows per group of
     programs and GEMV_TC_MAX_ROW_GROUPS groups, on an sm_90+ GPU or the interpreter (its fp32 form). Where it is
     the default: ``pick_config``."""
-    fits = x.dtype == torch.bfloat16 and M <= 16 * GEMV_TC_MAX_ROW_GROUPS
-    return fits and (interpreting() or tensor_cores_for_gemv(x.device))
+    return tc_rows_fit(M, x.dtype) and (interpreting() or tensor_cores_for_gemv(x.device))
+
+
+def _tc_tile(cfg: Fp8GemvConfig, M: int, N: int, K: int) -> W4A16Config:
+    """A tc Fp8GemvConfig as the tensor-core gemv's own tile, clipped to tiny problems as the W4A16 one is."""
+    tile = W4A16Config(1, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, split_k=cfg.split_k, tc=True,
+                       tc_cols=cfg.tc_cols)  # fmt: skip
+    return _fit_w4a16(tile, "gemv", M, N, K)
 
 
 def gemv_max_m(x_dtype: torch.dtype, device: torch.device | str) -> int:
@@ -486,9 +492,7 @@ def fp8_gemv(
     scale = weight_scale.contiguous()
     words = _words(weight)  # [N, K/4] int32
     if cfg.tc:
-        tile = W4A16Config(1, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, split_k=cfg.split_k, tc=True,
-                           tc_cols=cfg.tc_cols)  # fmt: skip
-        tile = _fit_w4a16(tile, "gemv", M, N, K)  # clipped to tiny problems as the W4A16 tc tile is
+        tile = _tc_tile(cfg, M, N, K)
         return _launch_gemv_tc(x, words, words, scale, 1, out_dtype, tile, split_counter, pdl, fp8=True)
     bm, bn, bk = _fit(cfg, M, N, K)
     grid_n, grid_m = triton.cdiv(N, bn), triton.cdiv(M, bm)
@@ -618,8 +622,7 @@ def _gemv_row(
     t = fp8_gemv_traffic(M, N, K, x.element_size(), x.element_size())
     bm, bn, bk = _fit(cfg, M, N, K)
     if cfg.tc and _tc_fits(M, x):
-        split = tc_split(N, K, W4A16Config(1, bn, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.split_k, tc=True),
-                         sm_count(x.device))  # fmt: skip
+        split = tc_grid(M, N, K, _tc_tile(cfg, M, N, K), sm_count(x.device))[2]
     else:
         split, _ = _split_k(cfg, bk, x.device, triton.cdiv(N, bn) * triton.cdiv(M, bm), K)
     bf16_ms, mm_ms = baselines["bf16_cublas_ms"], baselines["fp8_scaled_mm_ms"]

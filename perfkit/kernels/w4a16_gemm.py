@@ -1389,7 +1389,7 @@ def _launch_gemv(
     N = words.shape[-2]
     cfg = _fit(cfg, "gemv", M, N, K)
     per_row = expert_ids is not None
-    if cfg.tc and M <= 16 * GEMV_TC_MAX_ROW_GROUPS and not per_row and x.dtype == torch.bfloat16:
+    if cfg.tc and not per_row and tc_rows_fit(M, x.dtype):
         return _launch_gemv_tc(x, words, scales, gs, gs_stride, out_dtype, cfg, split_counter, pdl, repacked)
     if cfg.wide and M == 1 and not per_row and _x64(x) and K % 32 == 0:
         return _launch_gemv_wide(x, words, scales, gs, gs_stride, out_dtype, cfg, pdl, repacked)
@@ -1433,6 +1433,20 @@ def _launch_gemv_wide(
         num_warps=cfg.num_warps, **pdl_launch(pdl),
     )  # fmt: skip
     return out
+
+
+def tc_rows_fit(M: int, dtype: torch.dtype) -> bool:
+    """Whether the tensor-core gemv's kernel takes M rows of x of ``dtype``: bf16 (the MMA's B operand), at most
+    GEMV_TC_MAX_ROW_GROUPS groups of 16 rows (where it is the default: ``pick_config``)."""
+    return dtype == torch.bfloat16 and M <= 16 * GEMV_TC_MAX_ROW_GROUPS
+
+
+def tc_grid(M: int, N: int, K: int, cfg: W4A16Config, sms: int) -> tuple[int, int, int]:
+    """(rows of x per program, programs per row block, K splits) of a tensor-core gemv launch: above 16 rows
+    ``cfg.tc_cols`` rows per program (the MMA's N), one program per group of them."""
+    cols = cfg.tc_cols if M > 16 else 16
+    groups = triton.cdiv(M, cols)
+    return cols, groups, tc_split(N, K, cfg, sms, groups)
 
 
 def tc_split(N: int, K: int, cfg: W4A16Config, sms: int, groups: int = 1) -> int:
@@ -1481,11 +1495,9 @@ def _launch_gemv_tc(
     weights as int32 [N, K/4], ``gs`` their per-row scales (gs_stride 1), ``scales`` unused."""
     M, K = x.shape
     N = words.shape[0]
-    cols = cfg.tc_cols if M > 16 else 16  # rows of x per program: the MMA's N
-    groups = triton.cdiv(M, cols)  # programs per row block
     if M > 16 * GEMV_TC_MAX_ROW_GROUPS:
         raise ValueError(f"the tensor-core gemv takes at most {16 * GEMV_TC_MAX_ROW_GROUPS} rows of x, got {M}")
-    split = tc_split(N, K, cfg, sm_count(x.device), groups)
+    cols, groups, split = tc_grid(M, N, K, cfg, sm_count(x.device))  # cols rows of x per program, the MMA's N
     blocks = triton.cdiv(N, cfg.block_n) * groups
     fused = split > 1 and counter is not None
     if fused and (counter.dtype != torch.int32 or counter.numel() < blocks or counter.device != x.device):
