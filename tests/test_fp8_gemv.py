@@ -23,6 +23,7 @@ import torch
 pytest.importorskip("triton")
 
 import perfkit.kernels.fp8_gemv as fg  # noqa: E402
+import perfkit.kernels.w4a16_gemm as w4a16_gemm  # noqa: E402
 import perfkit.runtime.quant as quant  # noqa: E402
 from perfkit.kernels.fp8 import dequantize_fp8_rowwise, fp8_linear_ref, quantize_fp8_rowwise  # noqa: E402
 from perfkit.kernels.fp8_gemv import (  # noqa: E402
@@ -449,7 +450,7 @@ def test_fp8_linear_routes_decode_rows_to_the_gemv(monkeypatch):
     m.backend, m.quantize_input = "fp8-scaled-mm", True
     monkeypatch.setattr(fg, "tensor_cores_for_gemv", lambda device: True)
     monkeypatch.setattr(fg, "interpreting", lambda: False)  # pick_config's GPU rules; the kernels still interpret
-    monkeypatch.setattr(fg, "GEMV_TC_GROUPS_MIN_ELEMENTS", 0)  # this toy weight counts as large (16-row groups)
+    monkeypatch.setattr(w4a16_gemm, "GEMV_TC_GROUPS_MIN_ELEMENTS", 0)  # this toy weight counts as large
     for M in (1, fg.GEMV_TC_MAX_M, fg.GEMV_TC_MAX_M + 1):
         calls.clear()
         x = torch.randn(M, 64).to(torch.bfloat16)
@@ -474,7 +475,7 @@ def test_fp8_model_runs_decode_rows_on_the_tensor_core_gemv(monkeypatch):
 
     monkeypatch.setattr(fg, "tensor_cores_for_gemv", lambda device: True)
     monkeypatch.setattr(fg, "interpreting", lambda: False)
-    monkeypatch.setattr(fg, "GEMV_TC_GROUPS_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(w4a16_gemm, "GEMV_TC_GROUPS_MIN_ELEMENTS", 0)
     model = build_model(get_preset("tiny"), "cpu", torch.bfloat16, seed=0)
     quant.quantize_model_(model, "fp8")
     lins = [m for m in model.modules() if isinstance(m, Fp8Linear)]

@@ -89,12 +89,12 @@ from perfkit.kernels.pdl import pdl_enter, pdl_launch
 from perfkit.kernels.stream import chain_args, chain_columns, stream_chain_us, stream_read_ms
 from perfkit.kernels.timing import graph_ms
 from perfkit.kernels.w4a16_gemm import (
-    GEMV_TC_GROUPS_MIN_ELEMENTS,
     HBM_BYTES_PER_S,
     W4A16Config,
     _finish_split,
     _launch_gemv_tc,
     tc_grid,
+    tc_groups_pay,
     tc_rows_fit,
     tensor_cores_for_gemv,
 )
@@ -378,12 +378,12 @@ def pick_config(M: int, N: int, K: int, x: torch.Tensor) -> Fp8GemvConfig | None
     """The tile ``fp8_gemv`` runs for M rows of x against an N x K weight: the tensor-core tile for 1..GEMV_TC_MAX_M
     rows of bf16 x on sm_90+ with K a multiple of 64 (GEMV_TC_CONFIG up to GEMV_TC_WIDE_STEP_MAX_M rows, then
     GEMV_TC_ROWS_CONFIG; the step halved until it divides K: the 26B-A4B's 2112 runs 64-wide steps), at M = 1 only
-    where N >= K or N * K >= GEMV_TC_M1_MIN_ELEMENTS, above 16 rows only from ``GEMV_TC_GROUPS_MIN_ELEMENTS`` (the
+    where N >= K or N * K >= GEMV_TC_M1_MIN_ELEMENTS, above 16 rows only where ``w4a16_gemm.tc_groups_pay`` (the
     W4A16 rule: each 16-row group decodes the tile again); else the CUDA-core tile up to FP8_GEMV_MAX_M rows; None
     beyond: the product is not a decode gemv (``Fp8Linear`` then runs W8A8 ``scaled_mm``)."""
     wide = M > 1 or N >= K or N * K >= GEMV_TC_M1_MIN_ELEMENTS
-    groups_ok = M <= 16 or N * K >= GEMV_TC_GROUPS_MIN_ELEMENTS  # above 16 rows only the large products (W4A16's rule)
-    if wide and groups_ok and M <= GEMV_TC_MAX_M and not interpreting() and _tc_fits(M, x) and K % 64 == 0:
+    shape_ok = wide and tc_groups_pay(M, N, K) and M <= GEMV_TC_MAX_M and K % 64 == 0
+    if shape_ok and not interpreting() and _tc_fits(M, x):
         cfg = GEMV_TC_CONFIG if M <= GEMV_TC_WIDE_STEP_MAX_M else GEMV_TC_ROWS_CONFIG
         bk = cfg.block_k
         while K % bk:

@@ -1243,7 +1243,7 @@ def pick_config(
     if path == "gemv":
         if M > GEMV_TC_MAX_M or dtype != torch.bfloat16 or N is None or sms is None:
             return GEMV_CONFIG
-        if M > 16 and (K is None or N * K < GEMV_TC_GROUPS_MIN_ELEMENTS):
+        if M > 16 and (K is None or not tc_groups_pay(M, N, K)):
             return GEMV_CONFIG
         big = K is not None and K >= GEMV_TC_MIN_K and N * K >= GEMV_TC_MIN_ELEMENTS
         rows = M > 1 and GEMV_TC_ROWS_ANY_SHAPE and K is not None and K % GEMV_TC_CONFIG.block_k == 0
@@ -1439,6 +1439,13 @@ def tc_rows_fit(M: int, dtype: torch.dtype) -> bool:
     """Whether the tensor-core gemv's kernel takes M rows of x of ``dtype``: bf16 (the MMA's B operand), at most
     GEMV_TC_MAX_ROW_GROUPS groups of 16 rows (where it is the default: ``pick_config``)."""
     return dtype == torch.bfloat16 and M <= 16 * GEMV_TC_MAX_ROW_GROUPS
+
+
+def tc_groups_pay(M: int, N: int, K: int) -> bool:
+    """Whether M rows of x against an N x K weight may take the tensor-core gemv by default as far as its row groups
+    go: up to 16 rows always, above only for products of GEMV_TC_GROUPS_MIN_ELEMENTS (each group decodes the tile
+    again). The W4A16 and the FP8 rule (``pick_config`` in both modules)."""
+    return M <= 16 or N * K >= GEMV_TC_GROUPS_MIN_ELEMENTS
 
 
 def tc_grid(M: int, N: int, K: int, cfg: W4A16Config, sms: int) -> tuple[int, int, int]:
