@@ -154,6 +154,15 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "decode or with attention=torch; separate by default: fused was slower on the H200 (12-10: 26B-A4B c1 TPOT "
         "2.912 -> 2.934 ms, c4 +2 %; it gains on the sliding pools at batch 1 and loses on the hd 512 full pools)",
     ),
+    "decode_merge": (
+        ("launch", "fused"),
+        "fused",
+        "the Triton decode attention's merge of its split-KV slices: a launch of its own (launch), or, where the "
+        "merge is small (group x splits x head_dim <= 16K elements: the sliding pools at small batches), done in the "
+        "decode launch by the slice of each (row, kv head) that finishes last (fused; an atomic counter per pair, "
+        "the split-K sum of the tensor-core gemv); the same sums to their order; no effect on FlashInfer's decode "
+        "or with attention=torch",
+    ),
     "w4a16_words": (
         ("auto", "standard", "repacked"),
         "auto",
@@ -206,6 +215,7 @@ class Toggles(BaseModel):
     decode_routing: Literal["separate", "fused"] = "fused"
     decode_moe_ffn: Literal["separate", "fused", "branches"] = "branches"
     decode_prologue: Literal["separate", "fused"] = "separate"
+    decode_merge: Literal["launch", "fused"] = "fused"
     w4a16_words: Literal["auto", "standard", "repacked"] = "auto"
     attention: Literal["auto", "flashinfer", "torch"] = "auto"
 
@@ -237,6 +247,7 @@ class PartialToggles(BaseModel):
     decode_routing: Literal["separate", "fused"] | None = None
     decode_moe_ffn: Literal["separate", "fused", "branches"] | None = None
     decode_prologue: Literal["separate", "fused"] | None = None
+    decode_merge: Literal["launch", "fused"] | None = None
     w4a16_words: Literal["auto", "standard", "repacked"] | None = None
     attention: Literal["auto", "flashinfer", "torch"] | None = None
 

@@ -10,12 +10,28 @@ import sys
 
 import pytest
 
+# Defined for every script: ``resource_usage(kernel)`` -> (registers, stack bytes) of a compiled kernel's cubin, read
+# with the cuobjdump Triton ships (a kernel compiled ahead of time has no n_regs / n_spills: those come with loading).
+_PRELUDE = """
+def resource_usage(kernel):
+    import os, re, subprocess, tempfile
+    import triton
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return tuple(int(re.search(p, usage).group(1)) for p in (r"REG:(\\d+)", r"STACK:(\\d+)"))
+"""
+
 
 def sm90_rows(script: str, *args: str) -> list:
-    """Run ``script`` (python source that prints one JSON list as its last line) outside the interpreter and return
-    that list; skip when this Triton build cannot assemble for sm_90 (a row holding a ptxas error)."""
+    """Run ``script`` (python source that prints one JSON list as its last line; ``resource_usage`` is defined for it)
+    outside the interpreter and return that list; skip when this Triton build cannot assemble for sm_90 (a row
+    holding a ptxas error)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", _PRELUDE + script, *args], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     if any(isinstance(r, str) and "ptxas" in r.lower() for r in rows):

@@ -15,6 +15,7 @@ import torch
 from perfkit.kernels.fp8 import FP8_DTYPE
 from perfkit.kernels.paged_decode import (
     DecodePrologue,
+    new_merge_counter,
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_decode_prologue_ref,
@@ -97,17 +98,67 @@ def test_splits_agree_with_each_other_and_ignore_pages_outside_the_table():
     assert torch.equal(again, outs[2])
 
 
-def test_merge_never_reads_an_empty_slice(monkeypatch):
+@pytest.mark.parametrize("fused", [False, True])
+def test_merge_drops_the_partials_of_empty_slices(monkeypatch, fused):
     """Empty slices write only their lse (-inf); their partials stay as allocated. Allocated as NaN here, the
-    output must still be finite and equal the reference."""
+    output must still be finite and equal the reference, with the merge launch and with the fused merge."""
     import perfkit.kernels.paged_decode as pd
 
     real = pd._split_buffers
     monkeypatch.setattr(pd, "_split_buffers", lambda *a: tuple(t.fill_(float("nan")) for t in real(*a)))
     q, cache, ind, ptr, kl = make_case([3, 70, 1], 8, 2, 64, 16, seed=11)  # rows of 3 and 1 keys: 1 live slice, 15 empty
-    out = paged_decode_attention(q, cache, ind, ptr, kl, num_splits=16)
+    counter = new_merge_counter(3, 2, "cpu") if fused else None
+    out = paged_decode_attention(q, cache, ind, ptr, kl, num_splits=16, merge_counter=counter)
     assert torch.isfinite(out.float()).all()
     assert_close_to_ref(out, paged_decode_attention_ref(q, cache, ind, ptr, kl))
+
+
+FUSED_CASES = [  # kv_lens, heads, kv heads, head_dim, page size, window, splits: all within FUSED_MERGE_MAX_ELEMENTS
+    ([1, 37, 100], 4, 2, 64, 16, None, 4),
+    ([3, 70], 8, 8, 64, 8, 24, 7),  # group 1, empty slices
+    ([33, 16, 17], 6, 2, 32, 16, None, 64),  # group 3, 64 splits: two chunks of 32 (the online rescale)
+    ([300, 2], 4, 2, 256, 16, None, 32),  # the 26B-A4B sliding merge's size (2 x 32 x 256); empty slices
+]
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        raise AssertionError("the merge launch ran")
+
+
+@pytest.mark.parametrize("lens,heads,kvh,hd,ps,window,splits", FUSED_CASES)
+def test_fused_merge_is_the_merge_launch_in_one_kernel(monkeypatch, lens, heads, kvh, hd, ps, window, splits):
+    """With a counter the last slice of each (row, kv head) merges: no merge launch, the merge launch's output bit
+    for bit (the same tiles and sums), the counters back at zero, and the same again on a second launch with them."""
+    import perfkit.kernels.paged_decode as pd
+
+    assert pd.fused_merge_fits(heads // kvh, splits, hd)
+    q, cache, ind, ptr, kl = make_case(lens, heads, kvh, hd, ps, seed=len(lens) + splits)
+    ref = paged_decode_attention_ref(q, cache, ind, ptr, kl, window=window)
+    sep = paged_decode_attention(q, cache, ind, ptr, kl, window=window, num_splits=splits)
+    counter = new_merge_counter(len(lens), kvh, "cpu")
+    monkeypatch.setattr(pd, "_merge_splits_kernel", _NoLaunch())
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        paged_decode_attention(q, cache, ind, ptr, kl, window=window, num_splits=splits, out=out,
+                               merge_counter=counter)  # fmt: skip
+        assert not counter.any()
+        assert_close_to_ref(out, ref)
+        assert torch.equal(out, sep)
+
+
+def test_fused_merge_only_where_it_fits_and_checks_its_counter():
+    from perfkit.kernels.paged_decode import fused_merge_fits
+
+    assert fused_merge_fits(2, 32, 256) and fused_merge_fits(2, 17, 256)  # 26B-A4B / 31B sliding at batch 1
+    assert not fused_merge_fits(8, 64, 512)  # the hd 512 full pools keep the merge launch
+    assert not fused_merge_fits(2, 1, 256)  # one split writes the output itself
+    q, cache, ind, ptr, kl = make_case([40, 50], 4, 2, 64, 16)
+    with pytest.raises(ValueError, match="merge_counter"):
+        paged_decode_attention(q, cache, ind, ptr, kl, num_splits=2, merge_counter=new_merge_counter(1, 2, "cpu"))
+    big = make_case([40], 16, 2, 512, 16)
+    out = paged_decode_attention(*big, num_splits=64, merge_counter=new_merge_counter(1, 2, "cpu"))  # launch merge
+    assert_close_to_ref(out, paged_decode_attention_ref(*big))
 
 
 def test_kernel_rejects_mismatched_inputs():
@@ -138,9 +189,10 @@ def test_traffic_counts_the_visible_keys_once():
     assert t["min_bytes"] == t["kv_bytes"] + 2 * 2 * 32 * 256 * 2
     assert t["flops"] == 4 * visible * 32 * 256
     s = paged_decode_traffic([10], 8, 2, 64, num_splits=4, kv_bytes=1)  # one 32-row slice holds all 10 keys
-    assert s["split_bytes"] == 2 * 8 * (4 + 1 * 64) * 4 and s["total_bytes"] == s["min_bytes"] + s["split_bytes"]
+    # lse written and read per split, the one live partial written, every split's partial read by the merge
+    assert s["split_bytes"] == 8 * (2 * 4 + (1 + 4) * 64) * 4 and s["total_bytes"] == s["min_bytes"] + s["split_bytes"]
     f = paged_decode_traffic([1024], 32, 4, 512, num_splits=64)  # 31B full pool at batch 1: 32 live slices of 32
-    assert f["split_bytes"] == 2 * 32 * (64 + 32 * 512) * 4
+    assert f["split_bytes"] == 32 * (2 * 64 + (32 + 64) * 512) * 4
 
 
 def prologue_case(lens, heads, kvh, hd, ps, kind="kv", fp8=False, dtype=torch.bfloat16, seed=0, device="cpu"):
@@ -217,19 +269,24 @@ from perfkit.kernels import paged_decode as pd
 ptrs = ("q_ptr", "cache_ptr", "out_ptr", "k_raw_ptr", "v_raw_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr")
 sig = dict.fromkeys(ptrs, "*bf16") | dict.fromkeys(("indices_ptr", "indptr_ptr", "kv_lens_ptr"), "*i32")
 sig |= dict.fromkeys(("part_ptr", "lse_ptr"), "*fp32") | dict.fromkeys(("slot_page_ptr", "slot_offset_ptr"), "*i64")
+sig |= {"count_ptr": "*i32"}
 sig |= dict.fromkeys(("stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_page", "stride_kv", "stride_tok",
                       "stride_head", "num_splits", "window", "stride_kb", "stride_kh", "stride_vb", "stride_vh",
                       "stride_cb", "stride_sb"), "i32")
 sig |= dict.fromkeys(("qk_scale", "v_scale", "eps", "k_inv_scale", "v_inv_scale"), "fp32")
 rows = []
-for hd, group, fp8, direct, prologue, new_kv in json.loads(sys.argv[1]):
+for hd, group, fp8, direct, prologue, new_kv, fuse in json.loads(sys.argv[1]):
     consts = {"GROUP": group, "BLOCK_H": 16, "HEAD_DIM": hd, "PAGE_SIZE": 16, "BLOCK_N": 32, "FP8": fp8,
-              "DIRECT": direct, "UPCAST": 0, "PDL": 1, "PROLOGUE": prologue, "NEW_KV": new_kv}
+              "DIRECT": direct, "UPCAST": 0, "PDL": 1, "PROLOGUE": prologue, "NEW_KV": new_kv, "FUSE_MERGE": fuse,
+              "MERGE_S": 32, "MERGE_CHUNKS": 1, "MERGE_D": 128}
     s = sig | {"cache_ptr": "*u8" if fp8 else "*bf16"} | dict.fromkeys(consts, "constexpr")
     try:
         k = triton.compile(ASTSource(pd._paged_decode_kernel, s, consts), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": 4, "num_stages": 2})
-        rows.append("griddepcontrol.wait" in k.asm["ptx"])
+        regs, stack = resource_usage(k)
+        ok = "griddepcontrol.wait" in k.asm["ptx"]
+        ok = ok and (not fuse or "atom.global.gpu.acq_rel.add" in k.asm["ptx"]) and (prologue or stack == 0)
+        rows.append(ok or f"regs {regs} stack {stack}")
     except Exception as exc:
         rows.append(f"{type(exc).__name__}: {exc}"[:2000])
 print(json.dumps(rows))
@@ -239,13 +296,16 @@ print(json.dumps(rows))
 def test_decode_variants_compile_for_sm90():
     """Ahead-of-time compile for sm_90 (no GPU needed; outside the interpreter, which accepted a prologue helper
     whose two constexpr paths returned different dtypes, where the compiler refuses it): the plain kernel and the
-    prologue's variants (q only, new K / V rows, fp8 cache) at the engine's pool shapes."""
+    prologue's variants (q only, new K / V rows, fp8 cache) at the engine's pool shapes, and the fused merge's at
+    the sliding pools' (the counter's acquire-release atomic). No spills without the prologue (which spills with or
+    without the merge): the plain kernel takes 235 registers, 243 with the fused merge (Triton 3.9), two programs
+    per SM at 4 warps either way."""
     import json
 
     from aot import sm90_rows
 
-    variants = [(256, 2, 0, 0, 0, 0), (256, 2, 0, 0, 1, 1), (512, 8, 1, 0, 1, 1), (256, 2, 1, 1, 1, 1),
-                (512, 8, 0, 1, 1, 0)]  # fmt: skip
+    variants = [(256, 2, 0, 0, 0, 0, 0), (256, 2, 0, 0, 1, 1, 0), (512, 8, 1, 0, 1, 1, 0), (256, 2, 1, 1, 1, 1, 0),
+                (512, 8, 0, 1, 1, 0, 0), (256, 2, 0, 0, 0, 0, 1), (256, 2, 1, 0, 0, 0, 1), (256, 2, 1, 0, 1, 1, 1)]  # fmt: skip
     rows = sm90_rows(_SM90_COMPILE, json.dumps(variants))
     assert rows == [True] * len(variants), rows
 
@@ -301,7 +361,7 @@ def test_backend_attend_raw_folds_only_decode_only_triton_steps():
     def attend_raw(on=True, batch=3, dec=plan):
         meta = types.SimpleNamespace(num_decodes=3, batch_size=batch, pools={"sliding": pt})
         backend = types.SimpleNamespace(decode_prologue=on, meta=meta, q_dtype=torch.bfloat16, kv=kv, pdl=False,
-                                        _active={"sliding": (dec, None)})  # fmt: skip
+                                        _active={"sliding": (dec, None)}, _merge_counter=lambda: None)  # fmt: skip
         return F.FlashInferBackend.attend_raw(backend, layer, q_raw, pro.k_raw, pro.v_raw, pro.q_weight,
                                               pro.k_weight, pro.cos, pro.sin, pro.eps)  # fmt: skip
 
@@ -384,21 +444,28 @@ def test_gpu_real_shapes_match_reference(pool, fp8):
             out = torch.full_like(q, float("nan"))
             paged_decode_attention(q, cache, ind, ptr, kl, num_splits=splits, out=out, **kw)
             assert_close_to_ref(out, ref)
+            counter = new_merge_counter(bs, kvh, "cuda")  # the fused merge where it fits: the same bits
+            fused = paged_decode_attention(q, cache, ind, ptr, kl, num_splits=splits, merge_counter=counter, **kw)
+            assert torch.equal(fused, out) and not counter.any()
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_graph_replay_reads_the_new_page_table():
-    """Capture once, then change the table's contents (lengths, pages) in place: the replay computes the new rows."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_gpu_graph_replay_reads_the_new_page_table(fused):
+    """Capture once, then change the table's contents (lengths, pages) in place: the replay computes the new rows
+    (fused: the merge in the decode launch, its counters back at zero after every replay)."""
     heads, kvh, hd, window = REAL["31b-sliding"]
     q, cache, ind, ptr, kl = make_case([700, 1500], heads, kvh, hd, 16, seed=1, device="cuda")
     ind_buf = torch.zeros(400, dtype=torch.int32, device="cuda")
     ind_buf[: len(ind)] = ind
     out = torch.empty_like(q)
     splits = pick_splits(2, kvh, 132, window)
+    counter = new_merge_counter(2, kvh, "cuda") if fused else None
 
     def run():
-        paged_decode_attention(q, cache, ind_buf, ptr, kl, window=window, num_splits=splits, out=out)
+        paged_decode_attention(q, cache, ind_buf, ptr, kl, window=window, num_splits=splits, out=out,
+                               merge_counter=counter)  # fmt: skip
 
     run()
     g = torch.cuda.CUDAGraph()
@@ -407,9 +474,11 @@ def test_gpu_graph_replay_reads_the_new_page_table():
     kl.copy_(torch.tensor([650, 30], dtype=torch.int32))  # within each row's pages (44 and 94)
     perm = torch.randperm(len(ind), device="cuda")
     ind_buf[: len(ind)] = ind[perm]
-    g.replay()
+    for _ in range(2):
+        g.replay()
     torch.cuda.synchronize()
     assert_close_to_ref(out, paged_decode_attention_ref(q, cache, ind_buf[: len(ind)], ptr, kl, window=window))
+    assert counter is None or not counter.any()
 
 
 def _lockstep_triton(name, graphs, bs, **kw):
@@ -552,6 +621,42 @@ def test_gpu_engine_tokens_identical_with_decode_prologue(preset, kv_dtype):
     live = Engine(model, cfg, EngineConfig(**kw))
     live.set_toggle("decode_prologue", "fused")
     assert live.toggles()["decode_prologue"] == "fused" and live.runner.backend.decode_prologue
+    outs.append(run(live))
+    assert outs[0] == outs[1] == outs[2]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("preset", ["31b", "26b-a4b"])
+def test_gpu_engine_tokens_identical_with_decode_merge(preset):
+    """Real widths with 2 layers, FlashInfer + CUDA graphs + the fused kernels, the Triton decode at every
+    decode-only step (padded graph rows included), PDL where available: decode_merge fused (the sliding layers'
+    slices merged in the decode launch) gives the launch arm's tokens, also switched on a live engine."""
+    pytest.importorskip("flashinfer")
+    from perfkit.kernels.pdl import pdl_available
+    from perfkit.runtime.engine import Engine, EngineConfig
+    from perfkit.runtime.model_config import get_preset
+    from perfkit.runtime.weights import build_model
+
+    cfg = get_preset(preset, num_layers=2)
+    model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
+    rng = random.Random(7)
+    reqs = [[rng.randint(3, min(cfg.vocab_size, 250_000) - 1) for _ in range(rng.randint(1, 900))] for _ in range(10)]
+    kw = dict(attention="flashinfer", cuda_graphs=True, page_size=16, max_batch_size=8, max_num_tokens=1024,
+              num_kv_pages=2000, max_model_len=1024, mask="triton", fused_kernels=True, decode_attention="triton",
+              pdl=pdl_available(torch.device("cuda")))  # fmt: skip
+
+    def run(e):
+        rids = [e.add_request(p, max_new_tokens=8 + (i % 5) * 6) for i, p in enumerate(reqs)]
+        got = e.generate_all()
+        e.bm.check_no_leaks()
+        assert not e.runner.backend._merge_count.any()
+        return [got[r] for r in rids]
+
+    outs = [run(Engine(model, cfg, EngineConfig(**kw, decode_merge=m))) for m in ("launch", "fused")]
+    live = Engine(model, cfg, EngineConfig(**kw))
+    live.set_toggle("decode_merge", "fused")
+    assert live.toggles()["decode_merge"] == "fused" and live.runner.backend.decode_merge == "fused"
     outs.append(run(live))
     assert outs[0] == outs[1] == outs[2]
 

@@ -186,6 +186,7 @@ def _launchers(dev: str):
     xm = rnd(2, 256)
     q4 = [w4a16_gemm.quantize_nvfp4(rnd(n, k, scale=0.02, dtype=torch.float32)) for n, k in ((8192, 4096), (5376, 2816))]
     counter = w4a16_gemm.new_split_counter(8192, dev)
+    merge_counter = paged_decode.new_merge_counter(2, 2, dev)
 
     def qkv_cache(p):
         cache.zero_()
@@ -203,6 +204,8 @@ def _launchers(dev: str):
         ("qkv_norm_rope_split/cache", qkv_cache),
         ("paged_decode/splits", lambda p: paged_decode.paged_decode_attention(
             qd, pcache, ind, ptr, lens, window=64, num_splits=4, pdl=p)),  # fmt: skip
+        ("paged_decode/fused_merge", lambda p: paged_decode.paged_decode_attention(
+            qd, pcache, ind, ptr, lens, window=64, num_splits=4, pdl=p, merge_counter=merge_counter)),  # fmt: skip
         ("moe_routing", lambda p: moe.moe_routing(logits, 8, scale, pdl=p)),
         ("fused_moe/gather", lambda p: moe.fused_moe(xm, gu, dn, tw, ti, path="gather", pdl=p)),
         ("w4a16_gemm/tc", lambda p: w4a16_gemm.w4a16_gemm(qkv[:1, :4096], *q4[0][:2], q4[0][2], config=w4a16_gemm.GEMV_TC_CONFIG, split_counter=counter, pdl=p)),  # fmt: skip

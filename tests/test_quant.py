@@ -517,7 +517,7 @@ def test_w4a16_gemv_tc_config_rules(monkeypatch):
 
 
 _TC_SM90_COMPILE = """
-import json, os, re, subprocess, tempfile
+import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -546,12 +546,7 @@ for split, even, fused, pdl, rp, xr, fp8 in ((1, True, False, 0, 0, 1, 0), (6, T
         ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
         a_in_regs = "warp_group_dot" in ttgir and "dot_op<{opIdx = 0" in ttgir and "mul.rn.bf16x2" in ptx
         a_in_regs = a_in_regs and ("shf.l.wrap" in ptx) == bool(rp) and (ptx.count("prmt.b32") >= 32) == bool(fp8)
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-            usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        regs, stack = (int(re.search(p, usage).group(1)) for p in (r"REG:(\\d+)", r"STACK:(\\d+)"))
+        regs, stack = resource_usage(k)
         pdl_ok = ptx.count("griddepcontrol.wait") == pdl
         spill_ok = stack == 0 or (fp8 and xr == 8 and stack <= 16)  # 3 words at 8 rows: timed faster than 128-wide
         rows.append(a_in_regs and ("atom" in ptx) == fused and (regs <= 128 or not even) and spill_ok and pdl_ok)

@@ -202,6 +202,7 @@ def _paged_decode_kernel(
     eps,
     k_inv_scale,  # NEW_KV + FP8: 1 / the layer's K / V scales (fp8.fp8_inv_scale)
     v_inv_scale,
+    count_ptr,  # FUSE_MERGE: int32 [B * kv_heads], 0 between launches (``new_merge_counter``)
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -213,6 +214,10 @@ def _paged_decode_kernel(
     PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
     PROLOGUE: tl.constexpr = 0,  # q_ptr holds the raw q projection: q_norm + RoPE here (module docstring)
     NEW_KV: tl.constexpr = 0,  # with PROLOGUE: the newest K / V row from the raw projections, written here
+    FUSE_MERGE: tl.constexpr = 0,  # not DIRECT: the slice of (b, g) that counts last merges the group's heads
+    MERGE_S: tl.constexpr = 32,  # FUSE_MERGE: slices per load (MERGE_BLOCK_S)
+    MERGE_CHUNKS: tl.constexpr = 1,  # FUSE_MERGE: cdiv(num_splits, MERGE_S)
+    MERGE_D: tl.constexpr = 128,  # FUSE_MERGE: columns per merge tile (the merge launch's BLOCK_D)
 ):
     pdl_enter(PDL)  # every program, before the lengths, the page ids, q and the cache (all written this step)
     b = tl.program_id(0)
@@ -290,14 +295,68 @@ def _paged_decode_kernel(
         lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
         num_heads = tl.num_programs(1) * GROUP
         slot = (b.to(tl.int64) * num_heads + heads) * num_splits + s  # [BLOCK_H]
-        # an empty slice writes only its lse: the merge masks its partial's load by it (no bytes either way)
+        # an empty slice writes only its lse: the merge drops its partial (never written)
         tl.store(part_ptr + slot[:, None] * HEAD_DIM + d[None, :], o, mask=hmask[:, None] & nonempty[:, None])
         tl.store(lse_ptr + slot, lse, mask=hmask)
+        if FUSE_MERGE:  # module docstring, "Fused merge"
+            tl.debug_barrier()  # every thread's partial stored before the release half of the count
+            count = count_ptr + b * tl.num_programs(1) + g
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                for hh in tl.static_range(GROUP):  # the merge launch's tiles (MERGE_D columns), so its sums
+                    head = g * GROUP + hh
+                    base = (b.to(tl.int64) * num_heads + head) * num_splits
+                    for c in tl.static_range(HEAD_DIM // MERGE_D):
+                        dc = c * MERGE_D + tl.arange(0, MERGE_D)
+                        acc_m, den = _merge_head(part_ptr, lse_ptr, base, num_splits, dc, HEAD_DIM, MERGE_S,
+                                                 MERGE_CHUNKS)  # fmt: skip
+                        o_dst = out_ptr + b.to(tl.int64) * stride_ob + head * stride_oh + dc
+                        tl.store(o_dst, (acc_m / den * v_scale).to(out_ptr.dtype.element_ty))
+                tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _merge_chunk(part_ptr, lse_ptr, base, num_splits, s0, d, m, acc, den, HEAD_DIM: tl.constexpr,
+                 BLOCK_S: tl.constexpr):  # fmt: skip
+    """Slices s0 .. s0 + BLOCK_S - 1 of one head into the running (max lse m, sum_s w_s o_s, sum_s w_s): their lse and
+    partials loaded together (one memory round trip), what came before rescaled (online softmax; first chunk: m is
+    -inf and exp2(-inf) = 0). An empty slice's partial was never written (whatever the buffer holds): ``where``
+    drops it, so its weight 0 never multiplies it. ``.cg``: the fused merge reads partials that other programs of
+    its launch wrote (from L2, not this SM's L1)."""
+    s = s0 + tl.arange(0, BLOCK_S)
+    lse = tl.load(lse_ptr + base + s, mask=s < num_splits, other=float("-inf"), cache_modifier=".cg")
+    part = tl.load(part_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=(s < num_splits)[:, None], other=0.0,
+                   cache_modifier=".cg")  # fmt: skip
+    m_new = tl.maximum(m, tl.max(lse, 0))  # split 0 always holds keys: finite from the first chunk on
+    alpha = tl.exp2(m - m_new)
+    w = tl.exp2(lse - m_new)  # empty and padding slices: 0
+    acc = acc * alpha + tl.sum(tl.where((lse > float("-inf"))[:, None], w[:, None] * part, 0.0), 0)
+    return m_new, acc, den * alpha + tl.sum(w, 0)
+
+
+@triton.jit
+def _merge_head(part_ptr, lse_ptr, base, num_splits, d, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+                CHUNKS: tl.constexpr):  # fmt: skip
+    """One head's slices ``base .. base + num_splits - 1`` at columns ``d`` -> (sum_s w_s o_s, sum_s w_s) with
+    w_s = 2^(lse_s - max lse), in one pass of BLOCK_S-slice chunks (12-04's merge loaded the lse first, then the live
+    partials: two round trips per chunk). CHUNKS: cdiv(num_splits, BLOCK_S) known at compile time (the fused merge:
+    unrolled, so the loads of every chunk and head can be in flight together), or 0 (a loop: one compile for any
+    number of splits)."""
+    m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+    acc = tl.zeros(d.shape, tl.float32)
+    den = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+    if CHUNKS > 0:
+        for c in tl.static_range(CHUNKS):
+            m, acc, den = _merge_chunk(part_ptr, lse_ptr, base, num_splits, c * BLOCK_S, d, m, acc, den, HEAD_DIM,
+                                       BLOCK_S)  # fmt: skip
+    else:
+        for s0 in range(0, num_splits, BLOCK_S):
+            m, acc, den = _merge_chunk(part_ptr, lse_ptr, base, num_splits, s0, d, m, acc, den, HEAD_DIM, BLOCK_S)
+    return acc, den
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
-    part_ptr,  # fp32 [B, H, splits, D]; an empty split's rows are never written, and never read here
+    part_ptr,  # fp32 [B, H, splits, D]; an empty split's rows are never written (and dropped here)
     lse_ptr,  # fp32 [B, H, splits]
     out_ptr,  # [B, H, D]
     stride_ob,
@@ -310,30 +369,17 @@ def _merge_splits_kernel(
     PDL: tl.constexpr = 0,  # launched with launch_pdl (perfkit/kernels/pdl.py)
 ):
     """Program (b, h, column block). The splits are read BLOCK_S at a time as one vector / tile load, so a merge of
-    64 splits is two memory round trips per pass, not 64 dependent scalar loads (12-03's sweep: every extra split
-    cost ~0.13 us at batch 1 with the scalar loop)."""
+    64 splits is two memory round trips, not 64 dependent scalar loads (12-03's sweep: every extra split cost
+    ~0.13 us at batch 1 with the scalar loop)."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     base = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
-    sl = tl.arange(0, BLOCK_S)
-    m = tl.full([BLOCK_S], float("-inf"), tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):  # pass 1: the largest lse (split 0 always holds keys: finite)
-        m = tl.maximum(m, tl.load(lse_ptr + base + s0 + sl, mask=s0 + sl < num_splits, other=float("-inf")))
-    m_all = tl.max(m, 0)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    denom = tl.zeros([BLOCK_S], tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):  # pass 2: weights 2^(lse - m); empty and padding splits weigh 0
-        s = s0 + sl
-        lse = tl.load(lse_ptr + base + s, mask=s < num_splits, other=float("-inf"))
-        w = tl.exp2(lse - m_all)
-        denom += w
-        live = lse > float("-inf")
-        part = tl.load(part_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * part, 0)
-    o = acc / tl.sum(denom, 0) * v_scale
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+    acc, den = _merge_head(part_ptr, lse_ptr, base, num_splits, d, HEAD_DIM, BLOCK_S, 0)
+    tl.store(
+        out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, (acc / den * v_scale).to(out_ptr.dtype.element_ty)
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -360,6 +406,11 @@ SLIDING_PROGRAMS_PER_SM = 4
 MERGE_BLOCK_S = 32  # splits per load
 MERGE_BLOCK_D = 128  # output columns per merge program while B x heads <= MERGE_COLUMN_SPLIT_MAX_ROWS
 MERGE_COLUMN_SPLIT_MAX_ROWS = 64
+# Fused merge (``merge_counter``): the stage-1 program of (row, kv head) that finishes last merges the group's heads
+# itself, where that is at most FUSED_MERGE_MAX_ELEMENTS partial elements (group x splits x head_dim: the sliding
+# pools of 31B and 26B-A4B at batch 1-2, 2 x 17-32 x 256). Larger merges (the hd 512 full pools: 8 heads x 64 splits
+# x 512) stay on the merge launch, which spreads them over B x heads x D / 128 programs.
+FUSED_MERGE_MAX_ELEMENTS = 2 * 32 * 256
 
 
 def pick_splits(batch: int, num_kv_heads: int, sms: int, max_span: int | None, block_n: int = DECODE_BLOCK_N,
@@ -376,6 +427,19 @@ def pick_splits(batch: int, num_kv_heads: int, sms: int, max_span: int | None, b
     if max_span is not None:
         want = min(want, math.ceil(max_span / block_n))
     return max(1, min(want, max_splits))
+
+
+def fused_merge_fits(group: int, splits: int, head_dim: int) -> bool:
+    """Whether a launch of ``splits`` slices merges them in its own last program (given a counter): more than one
+    slice, and at most FUSED_MERGE_MAX_ELEMENTS partial elements for that program to read."""
+    return splits > 1 and group * splits * head_dim <= FUSED_MERGE_MAX_ELEMENTS
+
+
+def new_merge_counter(batch: int, kv_heads: int, device: torch.device | str) -> torch.Tensor:
+    """The fused merge's counters for launches of up to ``batch`` rows and ``kv_heads`` kv heads: int32 zeros, one per
+    (row, kv head); the launch leaves them at zero, so one buffer serves every layer of a stream in turn (never two
+    launches at once)."""
+    return torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
 
 
 def _split_buffers(batch: int, heads: int, splits: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -446,6 +510,7 @@ def paged_decode_attention(
     num_stages: int = DECODE_NUM_STAGES,
     pdl: bool = False,
     prologue: DecodePrologue | None = None,
+    merge_counter: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per row over its paged keys; q [B, H, D] (bf16 / fp16), cache
     [P, 2, page_size, KVH, D] (q's dtype or float8_e4m3fn), indices / indptr / kv_lens device int32 (see the
@@ -455,7 +520,11 @@ def paged_decode_attention(
     prologue: q is the raw q projection (row-strided views allowed), normed and roped here; with
     ``prologue.k_raw`` the kernel also makes the newest K / V row of every row and writes it into the cache at the
     prologue's slots (an fp8 cache quantised with k_scale / v_scale as ``write_kv`` does), using it from registers
-    (module docstring, "Prologue")."""
+    (module docstring, "Prologue").
+
+    merge_counter (``new_merge_counter``, owned by the caller, at least B x kv_heads): where ``fused_merge_fits``,
+    the last slice of each (row, kv head) merges the slices in the same launch instead of a merge launch (module
+    docstring, "Fused merge")."""
     B, H, D = q.shape
     P, two, page_size, kvh, Dc = cache.shape
     if two != 2 or Dc != D or H % kvh:
@@ -480,17 +549,24 @@ def paged_decode_attention(
         part, lse = _split_buffers(B, H, num_splits, D, q.device)
     c = cache.view(torch.uint8) if fp8 else cache
     pro_args, new_kv = _prologue_args(prologue, q, kvh, fp8, k_scale, v_scale)
+    fuse = merge_counter is not None and fused_merge_fits(group, num_splits, D)
+    block_d = min(D, MERGE_BLOCK_D) if B * H <= MERGE_COLUMN_SPLIT_MAX_ROWS else D  # merge columns per tile
+    if fuse and (merge_counter.dtype != torch.int32 or merge_counter.numel() < B * kvh):
+        raise ValueError(f"merge_counter must be int32 with >= B x kv_heads = {B * kvh} elements (new_merge_counter), "
+                         f"got {merge_counter.dtype} [{merge_counter.numel()}]")  # fmt: skip
     _paged_decode_kernel[(B, kvh, num_splits)](
         q, c, indices, indptr, kv_lens, out, part, lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         c.stride(0), c.stride(1), c.stride(2), c.stride(3),
         num_splits, window or 0, float(k_scale) * LOG2E, float(v_scale), *pro_args,
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_N=block_n, FP8=fp8, DIRECT=direct,
-        UPCAST=interpreting(), PROLOGUE=int(prologue is not None), NEW_KV=int(new_kv), num_warps=num_warps,
+        UPCAST=interpreting(), PROLOGUE=int(prologue is not None), NEW_KV=int(new_kv),
+        count_ptr=merge_counter if fuse else lse, FUSE_MERGE=int(fuse), MERGE_S=MERGE_BLOCK_S,
+        MERGE_CHUNKS=triton.cdiv(num_splits, MERGE_BLOCK_S) if fuse else 1, MERGE_D=block_d if fuse else 128,
+        num_warps=num_warps,
         num_stages=num_stages, **pdl_launch(pdl),
     )  # fmt: skip
-    if not direct:
-        block_d = min(D, MERGE_BLOCK_D) if B * H <= MERGE_COLUMN_SPLIT_MAX_ROWS else D
+    if not direct and not fuse:
         _merge_splits_kernel[(B, H, D // block_d)](
             part, lse, out, out.stride(0), out.stride(1), num_splits, float(v_scale),
             HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=MERGE_BLOCK_S, num_warps=4, **pdl_launch(pdl),
@@ -565,9 +641,10 @@ def paged_decode_traffic(
     prologue: str | None = None,
 ) -> dict[str, int]:  # fmt: skip
     """Bytes and FLOPs of one launch: the visible K and V rows read once (``min(kv_len, window)`` per row and kv
-    head), q read and the output written once; with splits > 1 also what stage 1 writes and stage 2 reads
-    (``split_bytes``): every split's fp32 lse, and the fp32 partial output of each slice that holds keys (slices
-    are whole ``block_n`` multiples, so a short row leaves its last slices empty).
+    head), q read and the output written once; with splits > 1 also what stage 1 writes and the merge reads
+    (``split_bytes``): every split's fp32 lse written and read, the fp32 partial output written by each slice that
+    holds keys (slices are whole ``block_n`` multiples, so a short row leaves its last slices empty) and read for
+    every slice (an empty one's is dropped after its load: ``_merge_head``).
     FLOPs: q k^T and p v, 2 x 2 x visible x heads x head_dim.
 
     ``prologue`` (None | "q" | "kv" | "k=v"): the launch also reads the q_norm weight and the cos / sin rows; with
@@ -596,7 +673,7 @@ def paged_decode_traffic(
         for span in spans:
             chunk = math.ceil(math.ceil(span / num_splits) / block_n) * block_n  # the kernel's slice length
             live = min(num_splits, math.ceil(span / chunk)) if span else 0
-            split += 2 * num_heads * (num_splits + live * head_dim) * 4
+            split += num_heads * (2 * num_splits + (live + num_splits) * head_dim) * 4
     return {
         "kv_bytes": kv,
         "split_bytes": split,

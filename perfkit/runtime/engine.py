@@ -27,6 +27,8 @@ Toggles (settable on a live engine with `set_toggle`; both arms of every toggle 
   decode_prologue=separate|fused (fused_kernels on, decode-only steps on the Triton decode: the q/k norm + RoPE and
   the newest K / V row's write inside the decode kernel instead of their own launch; the same arithmetic, bit for
   bit under the interpreter, a q element an ulp apart now and then on the GPU)
+  decode_merge=launch|fused (the Triton decode's merge of its split-KV slices in a launch of its own, or, where it is
+  small, by the last slice of each (row, kv head) in the decode launch; the same sums to their order)
   w4a16_words=auto|standard|repacked (NVFP4 weights' words in the checkpoint's bit order or repacked, which the
   tensor-core gemv decodes with fewer instructions; auto: where the batch-1 product is faster so; bit for bit)
 Three toggles change the arithmetic's order, so their arms agree to rounding rather than bit for bit:
@@ -72,6 +74,7 @@ TOGGLES = {
     "decode_routing": ("separate", "fused"),
     "decode_moe_ffn": ("separate", "fused", "branches"),
     "decode_prologue": ("separate", "fused"),
+    "decode_merge": ("launch", "fused"),
     "w4a16_words": ("auto", "standard", "repacked"),
 }
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -108,6 +111,7 @@ class EngineConfig:
     decode_routing: bool = False  # with decode_fusion: MoE routing in the down gemv's launch (set_decode_fusion)
     decode_moe_ffn: str = "separate"  # with decode_fusion: a MoE layer's FFN block, separate | fused | branches
     decode_prologue: bool = False  # q/k norm + RoPE + the new K / V row inside the Triton decode (attend_raw)
+    decode_merge: str = "launch"  # launch | fused: the Triton decode's merge of its slices (paged_decode)
     w4a16_words: str = "standard"  # auto | standard | repacked: NVFP4 weights' word order (set_w4a16_words)
     workspace_bytes: int = 256 << 20  # flashinfer float workspace, shared by every wrapper
     seed: int = 0  # sampling generators
@@ -300,7 +304,7 @@ class Engine:
                     self.kv, workspace_bytes=self.ec.workspace_bytes,
                     decode_use_tensor_cores=self.ec.decode_use_tensor_cores, q_dtype=self.model.dtype,
                     decode_kernel=self.ec.decode_attention, max_batch_size=self.ec.max_batch_size, pdl=self.ec.pdl,
-                    decode_prologue=self.ec.decode_prologue,
+                    decode_prologue=self.ec.decode_prologue, decode_merge=self.ec.decode_merge,
                 )  # fmt: skip
         return self._backends[name]
 
@@ -369,6 +373,9 @@ class Engine:
         elif name == "decode_prologue" and (value == "fused") != self.ec.decode_prologue:
             self.ec = replace(self.ec, decode_prologue=value == "fused")
             self._set_flashinfer("decode_prologue", self.ec.decode_prologue)
+        elif name == "decode_merge" and value != self.ec.decode_merge:
+            self.ec = replace(self.ec, decode_merge=value)
+            self._set_flashinfer("decode_merge", value)
         elif name == "w4a16_words" and value != self.ec.w4a16_words:
             self.ec = replace(self.ec, w4a16_words=value)
             self._words = self.model.set_w4a16_words(value)
@@ -431,6 +438,7 @@ class Engine:
             "decode_routing": "fused" if ec.decode_routing else "separate",
             "decode_moe_ffn": ec.decode_moe_ffn,
             "decode_prologue": "fused" if ec.decode_prologue else "separate",
+            "decode_merge": ec.decode_merge,
             "w4a16_words": ec.w4a16_words,
         }  # fmt: skip
 

@@ -30,6 +30,10 @@ the decode rows' indptr and kv lengths into a fixed device buffer per pool (pinn
 for a graph replay, copies the indices into a fixed buffer too: a captured launch reads the same addresses at every
 replay, and the builders' own index buffers differ between capture (DecodeGraphs' dummy tables) and replay.
 
+The Triton decode's split-KV slices are merged by a launch of their own, or (toggle decode_merge, default fused) where
+the merge is small by the last slice of each (row, kv head) in the decode launch itself, through a counter per pair
+that the backend owns (`paged_decode.new_merge_counter`; every launch leaves it at zero, so the layers share it).
+
 `attend_raw` (toggle decode_prologue, default separate): at a decode-only step on a Triton plan, the model hands
 over the raw q / k / v projections and that kernel does the q/k norm + RoPE launch's work itself
 (`paged_decode_attention`'s prologue; slower than the separate launch on the H200, see that module's docstring).
@@ -43,7 +47,7 @@ import torch
 
 from perfkit.errors import PerfkitError
 from perfkit.kernels.launch import sm_count
-from perfkit.kernels.paged_decode import DecodePrologue, paged_decode_attention, pick_splits
+from perfkit.kernels.paged_decode import DecodePrologue, new_merge_counter, paged_decode_attention, pick_splits
 from perfkit.runtime.attention.base import AttnLayer
 from perfkit.runtime.attention.torch_paged import kv_write_target, write_layer_kv
 from perfkit.runtime.kv_cache import SLIDING_POOL, PagedKVCache
@@ -114,6 +118,7 @@ class FlashInferBackend:
         max_batch_size: int = 256,
         pdl: bool = False,
         decode_prologue: bool = False,
+        decode_merge: str = "launch",
     ):
         try:
             import flashinfer
@@ -146,6 +151,10 @@ class FlashInferBackend:
         self.decode_kernel = decode_kernel  # toggle decode_attention
         self.pdl = pdl  # toggle pdl: the Triton decode's two kernels launch with PDL (FlashInfer's never do)
         self.decode_prologue = decode_prologue  # toggle decode_prologue: attend_raw folds q/k norm + RoPE in
+        self.decode_merge = decode_merge  # toggle decode_merge: fused = the slices merged in the decode launch
+        # its counters: one per (row, kv head), left at zero by every launch, shared by the layers in turn
+        self._merge_count = new_merge_counter(max_batch_size, max(s.num_kv_heads for s in kv_cache.specs.values()),
+                                              self.device)  # fmt: skip
         # the Triton decode's device metadata: fixed addresses (graphs), sized for the engine's largest batch, + 3
         # for the lengths' 16-byte start (upload_parts)
         self._tri_meta = {p: PinnedStaging(2 * max_batch_size + 4, torch.int32, self.device) for p in kv_cache.specs}
@@ -253,7 +262,7 @@ class FlashInferBackend:
         if isinstance(dec, TritonDecodePlan):
             paged_decode_attention(q[:nd], cache, dec.indices, dec.indptr, dec.kv_lens, window=dec.window,
                                    k_scale=k_scale, v_scale=v_scale, num_splits=dec.num_splits, out=out[:nd],
-                                   pdl=self.pdl)  # fmt: skip
+                                   pdl=self.pdl, merge_counter=self._merge_counter())  # fmt: skip
         elif dec is not None:
             dec.run(q[:nd], cache, out=out[:nd], **scales)
         if pre is not None:
@@ -285,4 +294,9 @@ class FlashInferBackend:
         pro = DecodePrologue(q_weight, cos, sin, eps, k_raw, v_raw, k_weight, pt.slot_page, pt.slot_offset)
         return paged_decode_attention(q_raw, cache, dec.indices, dec.indptr, dec.kv_lens, window=dec.window,
                                       k_scale=k_scale, v_scale=v_scale, num_splits=dec.num_splits, pdl=self.pdl,
-                                      prologue=pro)  # fmt: skip
+                                      prologue=pro, merge_counter=self._merge_counter())  # fmt: skip
+
+    def _merge_counter(self) -> torch.Tensor | None:
+        """The Triton decode's merge counters under decode_merge=fused (the kernel takes them where the merge is
+        small: `paged_decode.fused_merge_fits`), else None (the merge launch)."""
+        return self._merge_count if self.decode_merge == "fused" else None
