@@ -483,9 +483,12 @@ def test_w4a16_gemv_tc_config_rules(monkeypatch):
     assert pick_config(1, "gemv", torch.bfloat16, 5376, 132, K) is wk.GEMV_WIDE_DEEP_CONFIG
     assert pick_config(1, "gemv", torch.float16, 5376, 132, K, tensor_cores=True) is wk.GEMV_CONFIG
     assert pick_config(16, "gemv", torch.bfloat16, 5376, 132, K, tensor_cores=True) is wk.GEMV_TC_CONFIG
-    assert pick_config(32, "gemv", torch.bfloat16, 5376, 132, K * 2, tensor_cores=True) is wk.GEMV_TC_CONFIG  # 2 groups
+    cols = wk.GEMV_TC_COLS_CONFIG  # above 16 rows: 32 per program
+    assert pick_config(17, "gemv", torch.bfloat16, 5376, 132, K * 2, tensor_cores=True) is cols
+    assert pick_config(64, "gemv", torch.bfloat16, 5376, 132, K * 2, tensor_cores=True) is cols  # 2 programs
+    assert pick_config(32, "gemv", torch.bfloat16, 5376, 132, K * 2) is wk.GEMV_CONFIG  # no tensor cores
     assert pick_config(32, "gemv", torch.bfloat16, 5376, 132, K, tensor_cores=True) is wk.GEMV_CONFIG  # 22 M: small
-    assert pick_config(33, "gemv", torch.bfloat16, 5376, 132, K, tensor_cores=True) is wk.GEMV_CONFIG
+    assert pick_config(65, "gemv", torch.bfloat16, 5376, 132, K * 2, tensor_cores=True) is wk.GEMV_CONFIG
     assert pick_config(2, "gemv", torch.bfloat16, 4224, 132, 2816, tensor_cores=True) is wk.GEMV_TC_CONFIG  # any shape
     assert pick_config(2, "gemv", torch.bfloat16, 2816, 132, 2112, tensor_cores=True) is wk.GEMV_CONFIG  # but whole steps
     monkeypatch.undo()

@@ -344,6 +344,11 @@ GEMV_TC_WIDE_STEP_MAX_M = 8  # GEMV_TC_CONFIG up to here, GEMV_TC_ROWS_CONFIG ab
 # 121.10 / 112.56, 5376 x 8192 28.03 / 41.96; M = 64 122.81 / 84.35, 217.95 / 109.84, 50.18 / 43.57. Up to 32 rows:
 # 31B FP8 c32 forward_decode device mean 26.88 -> 26.15 ms (``7-e_f8_*.json``).
 GEMV_TC_MAX_M = 32
+# ... since 12-19 as programs of 32 rows of x (``tc_cols`` 32: the tile decoded once for all of them). H200 12-19
+# (``h200-runs/2026-12-19/3-cols.jsonl``, chained us, 32-row programs / 16-row groups / W8A8) at M = 32: 5376 x 21504
+# 43.5 / 67.0 / 88.3, 43008 x 5376 85.6 / 121.0 / 111.0, 5376 x 8192 20.6 / 28.4 / 45.0. At M 48-64 (two such
+# programs) W8A8 wins on 43008 x 5376 (155-158 vs 109-111 us) and ties on 5376 x 21504: the limit stays 32.
+GEMV_TC_COLS_CONFIG = Fp8GemvConfig(block_m=1, block_n=64, block_k=128, num_warps=4, num_stages=3, tc=True, tc_cols=32)
 GEMV_TC_M1_MIN_ELEMENTS = 100 * 1024 * 1024  # M = 1: the tc gemv where N >= K or N * K >= this
 INLINE_ASM_CVT = True  # GPU sm_89+: inline-PTX e4m3 -> fp32 (False: Triton's own conversion)
 
@@ -384,7 +389,7 @@ def pick_config(M: int, N: int, K: int, x: torch.Tensor) -> Fp8GemvConfig | None
     wide = M > 1 or N >= K or N * K >= GEMV_TC_M1_MIN_ELEMENTS
     shape_ok = wide and tc_groups_pay(M, N, K) and M <= GEMV_TC_MAX_M and K % 64 == 0
     if shape_ok and not interpreting() and _tc_fits(M, x):
-        cfg = GEMV_TC_CONFIG if M <= GEMV_TC_WIDE_STEP_MAX_M else GEMV_TC_ROWS_CONFIG
+        cfg = GEMV_TC_CONFIG if M <= GEMV_TC_WIDE_STEP_MAX_M else GEMV_TC_ROWS_CONFIG if M <= 16 else GEMV_TC_COLS_CONFIG
         bk = cfg.block_k
         while K % bk:
             bk //= 2

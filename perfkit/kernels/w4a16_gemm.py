@@ -1158,8 +1158,15 @@ GEMV_TC_MIN_K = 4096
 # dot: M = 32 5376 x 21504 65.68 / 109.73, 43008 x 5376 125.32 / 176.64, 5376 x 8192 28.60 / 45.84; M = 64 125.54 /
 # 109.82, 234.34 / 175.25, 53.55 / 47.47): the auto path takes it up to 32 rows. 31B NVFP4 c32 forward_decode
 # device mean 33.16 -> 25.09 ms (``7-e_nv_*.json``).
-GEMV_TC_MAX_M = 32
+# Since 12-19 the rows above 16 run 32 to a program (``tc_cols`` 32, 128-wide K steps: the tile decoded once for the
+# MMA's 32 columns; at 48 / 64 rows two such programs), up to 64 rows. H200 12-19 (``h200-runs/2026-12-19/
+# 3-cols.jsonl``, chained us, 32-row programs / 16-row groups / dot path): M = 32 5376 x 21504 41.8 / 65.3 / 109.9,
+# 43008 x 5376 80.6 / 126.1 / 176.9, 5376 x 8192 20.2 / 29.2 / 46.1; M = 64 75.9 / 125.7 / 109.8, 143.2 / 235.0 /
+# 176.1, 33.6 / 53.3 / 47.4 (M = 17 and 48 alike); 256-wide steps at 32 columns were slower than 16-row groups
+# (85.8 / 74.6 us at 5376 x 21504: 167 registers capped at 128 spill).
+GEMV_TC_MAX_M = 64
 GEMV_TC_MAX_ROW_GROUPS = 4
+GEMV_TC_COLS_CONFIG = W4A16Config(block_m=1, block_n=64, block_k=128, num_warps=4, num_stages=3, tc=True, tc_cols=32)
 # ... and only for products of GEMV_TC_GROUPS_MIN_ELEMENTS weight elements (the 31B's, 44-231 M, timed above): the
 # 26B-A4B's dense products (<= 26 M elements) take 0.57-0.88x the dot path's time at M = 16 (12-17 call 9), so two
 # groups, each decoding the tile, would lose to it.
@@ -1243,8 +1250,9 @@ def pick_config(
     if path == "gemv":
         if M > GEMV_TC_MAX_M or dtype != torch.bfloat16 or N is None or sms is None:
             return GEMV_CONFIG
-        if M > 16 and (K is None or not tc_groups_pay(M, N, K)):
-            return GEMV_CONFIG
+        if M > 16:  # 32 rows of x per program (GEMV_TC_COLS_CONFIG), where the products pay for it
+            cols = K is not None and tc_groups_pay(M, N, K) and K % GEMV_TC_COLS_CONFIG.block_k == 0
+            return GEMV_TC_COLS_CONFIG if tensor_cores and cols else GEMV_CONFIG
         big = K is not None and K >= GEMV_TC_MIN_K and N * K >= GEMV_TC_MIN_ELEMENTS
         rows = M > 1 and GEMV_TC_ROWS_ANY_SHAPE and K is not None and K % GEMV_TC_CONFIG.block_k == 0
         if tensor_cores and (big or rows):
