@@ -23,9 +23,20 @@ softmax over its slice of the visible keys, BLOCK_N token rows at a time (a page
 BLOCK_N need not divide the page size). Slices are whole BLOCK_N multiples of the visible span. With one split
 it writes the normalised output itself; otherwise its partial output (fp32, normalised by its own sum) and its
 log2-sum-exp (an empty slice writes only lse = -inf). Stage 2, grid (B, heads, column blocks):
-``out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m)``, reading the splits 32 at a time. ``splits`` is a
-launch argument, not a compile-time constant, so any batch compiles the same two stage-1 variants (direct / split)
-and two merges (column blocks / whole heads).
+``out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m)``, reading the splits 32 at a time, each chunk's lse and
+partials in one round trip. ``splits`` is a launch argument, not a compile-time constant, so any batch compiles the
+same two stage-1 variants (direct / split) and two merges (column blocks / whole heads).
+
+Fused merge (``merge_counter``, where ``fused_merge_fits``; toggle decode_merge): stage 2 as a launch of its own is
+one more short kernel on the step's dependent chain. Instead each stage-1 program of a split launch counts itself
+done on its (row, kv head) counter after storing its partial and lse (a release), and the one that counts last (an
+acquire) merges the group's heads from L2 with stage 2's tiles and sums (the same bits) and resets the counter: the
+split-K sum of the tensor-core gemv (``w4a16_gemm``) applied to the slices. Only for small merges (the sliding pools
+at small batches), since one program does all of it. Measured on the H200 it is slower than the launch (12-19,
+``configs/ab_decode_merge.yaml``, TPOT p50 launch -> fused, 2 repeats each: 26B-A4B c1 2.761 -> 2.908 ms, c4 5.28 ->
+5.34, 31B c1 16.23 -> 16.52, c4 17.60 -> 17.91): one program per (row, kv head) merging 2 heads x 2 column tiles
+after its own slice costs more than a second launch of 32 programs that wait, resident, while the first drains.
+The toggle keeps it for A/B runs; the default is the launch.
 
 Prologue (``prologue=DecodePrologue(...)``, toggle decode_prologue): at a decode-only step the separate
 ``qkv_norm_rope`` launch (q_norm + RoPE, k_norm + RoPE, v_norm, the newest K / V row into the cache) is one more

@@ -30,9 +30,10 @@ the decode rows' indptr and kv lengths into a fixed device buffer per pool (pinn
 for a graph replay, copies the indices into a fixed buffer too: a captured launch reads the same addresses at every
 replay, and the builders' own index buffers differ between capture (DecodeGraphs' dummy tables) and replay.
 
-The Triton decode's split-KV slices are merged by a launch of their own, or (toggle decode_merge, default fused) where
-the merge is small by the last slice of each (row, kv head) in the decode launch itself, through a counter per pair
-that the backend owns (`paged_decode.new_merge_counter`; every launch leaves it at zero, so the layers share it).
+The Triton decode's split-KV slices are merged by a launch of their own, or (toggle decode_merge=fused; default launch,
+which measured faster on the H200) where the merge is small by the last slice of each (row, kv head) in the decode
+launch itself, through a counter per pair that the backend owns (`paged_decode.new_merge_counter`; every launch
+leaves it at zero, so the layers share it).
 
 `attend_raw` (toggle decode_prologue, default separate): at a decode-only step on a Triton plan, the model hands
 over the raw q / k / v projections and that kernel does the q/k norm + RoPE launch's work itself
