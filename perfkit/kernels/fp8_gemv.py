@@ -66,7 +66,8 @@ SASS instructions per weight byte in the loop at 128-wide steps, 3.6 at 256-wide
 the CUDA-core kernel: exact products, fp32 sums, one rounding by the scale, one by the output cast. H200 12-18,
 chained with PDL (``h200-runs/2026-12-18/2-probe.jsonl``): 69-86 % of the load-only ceiling at M 1-16 on the six
 31B shapes; 31B FP8 TPOT c2 21.24 -> 10.96 ms, c4 21.51 -> 11.51, c16 25.43 -> 16.62, c1 11.85 -> 10.82. M 17-32
-run as two 16-row groups of programs (each decodes the weight tile; ``GEMV_TC_MAX_M``), W8A8 above.
+run as one program per 32 rows of x (``tc_cols`` 32, 12-19: the tile decoded once for all of them; 31B FP8 c32
+TPOT 23.53 ms), W8A8 above (``GEMV_TC_MAX_M``).
 """
 
 from __future__ import annotations
@@ -382,9 +383,9 @@ def gemv_max_m(x_dtype: torch.dtype, device: torch.device | str) -> int:
 def pick_config(M: int, N: int, K: int, x: torch.Tensor) -> Fp8GemvConfig | None:
     """The tile ``fp8_gemv`` runs for M rows of x against an N x K weight: the tensor-core tile for 1..GEMV_TC_MAX_M
     rows of bf16 x on sm_90+ with K a multiple of 64 (GEMV_TC_CONFIG up to GEMV_TC_WIDE_STEP_MAX_M rows, then
-    GEMV_TC_ROWS_CONFIG; the step halved until it divides K: the 26B-A4B's 2112 runs 64-wide steps), at M = 1 only
-    where N >= K or N * K >= GEMV_TC_M1_MIN_ELEMENTS, above 16 rows only where ``w4a16_gemm.tc_groups_pay`` (the
-    W4A16 rule: each 16-row group decodes the tile again); else the CUDA-core tile up to FP8_GEMV_MAX_M rows; None
+    GEMV_TC_ROWS_CONFIG to 16, GEMV_TC_COLS_CONFIG above; the step halved until it divides K: the 26B-A4B's 2112 runs
+    64-wide steps), at M = 1 only where N >= K or N * K >= GEMV_TC_M1_MIN_ELEMENTS, above 16 rows only where
+    ``w4a16_gemm.tc_groups_pay`` (the W4A16 rule); else the CUDA-core tile up to FP8_GEMV_MAX_M rows; None
     beyond: the product is not a decode gemv (``Fp8Linear`` then runs W8A8 ``scaled_mm``)."""
     wide = M > 1 or N >= K or N * K >= GEMV_TC_M1_MIN_ELEMENTS
     shape_ok = wide and tc_groups_pay(M, N, K) and M <= GEMV_TC_MAX_M and K % 64 == 0

@@ -54,9 +54,10 @@ the H200 sweep, ``python3 -m perfkit.kernels.w4a16_gemm --sweep``, sets them):
   ``e2m1 * 2^-126``, times the block scale as ``e4m3 * 2^118`` in one bf16x2 multiply: exact), and x is gathered
   in that order into the B tile. 3.7 instructions per weight element; split over K into enough programs, the
   last split of each row block summing the partials in a fixed order in the same launch (a caller-owned counter,
-  ``split_counter``). The same kernel takes M up to 32 rows of bf16 x (GEMV_TC_MAX_M; ``w4a16_gemm``'s auto path
+  ``split_counter``). The same kernel takes M up to 64 rows of bf16 x (GEMV_TC_MAX_M; ``w4a16_gemm``'s auto path
   routes them there from the dot path): row m of x in column m of the MMA's B tile, so the weight is streamed
-  once for all of them; beyond 16 rows one program per 16-row group of x, neighbours in the grid (12-18).
+  once for all of them; beyond 16 rows 32 rows of x per program (``tc_cols``, 12-19), two such programs of a row
+  block neighbours in the grid above 32.
 - ``dot`` (M between): the same decoded planes, times their block scales, joined in-thread into an exact fp32
   [BLOCK_N, BLOCK_K] tile in K order (the scales broadcast as [BLOCK_N, BLOCK_K/16, 1]: no reshape), cast to x's
   dtype and fed to a tensor-core ``tl.dot`` (fp32 accumulate; BLOCK_M >= 64 compiles to wgmma with the tile staged
@@ -1091,8 +1092,8 @@ class W4A16Config:
     the tensor cores, ``block_n`` weight rows per program as the MMA's M (>= 16; 64 fills a Hopper warpgroup MMA),
     ``block_k`` a multiple of 64; ``split_k`` None = enough splits for GEMV_TC_PROGRAMS_PER_SM programs per SM.
     ``tc_cols``: rows of x per program above 16 rows, as the MMA's N: 16 (one program per 16-row group, each
-    decoding the weight tile; the default) or 32 (one program decodes it once for 32 rows: 127 registers at 128-wide
-    steps in the sm_90 compile of 12-18, 167 at 256-wide; not timed on a GPU yet)."""
+    decoding the weight tile) or 32 (one program decodes it once for 32 rows: 127 registers at 128-wide steps in the
+    sm_90 compile, 167 at 256-wide; GEMV_TC_COLS_CONFIG, the default tile above 16 rows since 12-19)."""
 
     block_m: int
     block_n: int
@@ -1163,7 +1164,8 @@ GEMV_TC_MIN_K = 4096
 # 3-cols.jsonl``, chained us, 32-row programs / 16-row groups / dot path): M = 32 5376 x 21504 41.8 / 65.3 / 109.9,
 # 43008 x 5376 80.6 / 126.1 / 176.9, 5376 x 8192 20.2 / 29.2 / 46.1; M = 64 75.9 / 125.7 / 109.8, 143.2 / 235.0 /
 # 176.1, 33.6 / 53.3 / 47.4 (M = 17 and 48 alike); 256-wide steps at 32 columns were slower than 16-row groups
-# (85.8 / 74.6 us at 5376 x 21504: 167 registers capped at 128 spill).
+# (85.8 / 74.6 us at 5376 x 21504: 167 registers capped at 128 spill). 31B NVFP4 forward_decode device mean
+# (``4-e_nv_*.json``): c32 24.77 -> 20.08 ms (TPOT 29.83 -> 27.83), c64 39.88 -> 35.68 ms (TPOT 57.77 -> 53.67).
 GEMV_TC_MAX_M = 64
 GEMV_TC_MAX_ROW_GROUPS = 4
 GEMV_TC_COLS_CONFIG = W4A16Config(block_m=1, block_n=64, block_k=128, num_warps=4, num_stages=3, tc=True, tc_cols=32)
@@ -1471,7 +1473,7 @@ def tc_split(N: int, K: int, cfg: W4A16Config, sms: int, groups: int = 1) -> int
     is time lost (12-14 ``6-split.jsonl``: 5376 x 21504 at 6 splits, one wave of 504 programs, 28.72 us; at 7, 588
     programs, 34.51); why the fewest: every split adds partials to sum and shortens the programs (18432 x 5376 at 3
     splits, 82 % fill, 26.33 us; at 5, 91 %, 27.70 in call 7; 43008 x 5376 at 2 splits 53.36, at 3 53.93). ``groups``:
-    programs per row block (16-row groups of x)."""
+    programs per row block (groups of x's rows: ``tc_grid``)."""
     steps = triton.cdiv(K, cfg.block_k)
     split = cfg.split_k
     if split is None:
