@@ -591,14 +591,11 @@ def test_gpu_prologue_graph_replay_uses_the_new_slots_and_tables():
     assert (cache.view(torch.uint8) != sep_cache.view(torch.uint8)).sum().item() <= 2 * kvh * hd // 50
 
 
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("preset,kv_dtype", [("31b", "auto"), ("31b", "fp8"), ("26b-a4b", "auto")])
-def test_gpu_engine_tokens_identical_with_decode_prologue(preset, kv_dtype):
-    """Real widths with 2 layers, FlashInfer + CUDA graphs + the fused path, the Triton decode (max_batch_size 8:
-    every decode-only step, padded graph rows included), PDL where available, staggered lengths (mixed steps keep
-    the separate launch): decode_prologue fused gives the separate arm's tokens, and so does switching it on a live
-    engine (its graphs captured again)."""
+def _toggle_arm_tokens(preset, arms, toggle, live_value, seed, max_prompt, max_num_tokens, after=None, **kw):
+    """Greedy tokens of a 2-layer real-width engine (FlashInfer + CUDA graphs + the fused kernels, the Triton decode at
+    every decode-only step with max_batch_size 8, padded graph rows included, PDL where available, staggered lengths)
+    for each EngineConfig arm in ``arms``, then for a live engine with ``toggle`` switched to ``live_value`` (its
+    graphs captured again). ``after(engine)``: a check after each engine's requests."""
     pytest.importorskip("flashinfer")
     from perfkit.kernels.pdl import pdl_available
     from perfkit.runtime.engine import Engine, EngineConfig
@@ -607,23 +604,36 @@ def test_gpu_engine_tokens_identical_with_decode_prologue(preset, kv_dtype):
 
     cfg = get_preset(preset, num_layers=2)
     model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
-    rng = random.Random(31)
-    reqs = [[rng.randint(3, min(cfg.vocab_size, 250_000) - 1) for _ in range(rng.randint(1, 200))] for _ in range(12)]
-    kw = dict(attention="flashinfer", cuda_graphs=True, page_size=16, max_batch_size=8, max_num_tokens=512,
+    rng = random.Random(seed)
+    reqs = [[rng.randint(3, min(cfg.vocab_size, 250_000) - 1) for _ in range(rng.randint(1, max_prompt))]
+            for _ in range(12)]  # fmt: skip
+    kw = dict(attention="flashinfer", cuda_graphs=True, page_size=16, max_batch_size=8, max_num_tokens=max_num_tokens,
               num_kv_pages=2000, max_model_len=1024, mask="triton", fused_kernels=True, decode_attention="triton",
-              kv_dtype=kv_dtype, pdl=pdl_available(torch.device("cuda")))  # fmt: skip
+              pdl=pdl_available(torch.device("cuda")), **kw)  # fmt: skip
 
     def run(e):
         rids = [e.add_request(p, max_new_tokens=8 + (i % 5) * 6) for i, p in enumerate(reqs)]
         got = e.generate_all()
         e.bm.check_no_leaks()
+        if after is not None:
+            after(e)
         return [got[r] for r in rids]
 
-    outs = [run(Engine(model, cfg, EngineConfig(**kw, decode_prologue=f))) for f in (False, True)]
+    outs = [run(Engine(model, cfg, EngineConfig(**kw, **arm))) for arm in arms]
     live = Engine(model, cfg, EngineConfig(**kw))
-    live.set_toggle("decode_prologue", "fused")
-    assert live.toggles()["decode_prologue"] == "fused" and live.runner.backend.decode_prologue
-    outs.append(run(live))
+    live.set_toggle(toggle, live_value)
+    assert live.toggles()[toggle] == live_value
+    return outs + [run(live)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("preset,kv_dtype", [("31b", "auto"), ("31b", "fp8"), ("26b-a4b", "auto")])
+def test_gpu_engine_tokens_identical_with_decode_prologue(preset, kv_dtype):
+    """decode_prologue fused gives the separate arm's tokens (mixed steps keep the separate launch), and so does
+    switching it on a live engine (`_toggle_arm_tokens`)."""
+    arms = [{"decode_prologue": f} for f in (False, True)]
+    outs = _toggle_arm_tokens(preset, arms, "decode_prologue", "fused", 31, 200, 512, kv_dtype=kv_dtype)
     assert outs[0] == outs[1] == outs[2]
 
 
@@ -631,35 +641,14 @@ def test_gpu_engine_tokens_identical_with_decode_prologue(preset, kv_dtype):
 @needs_cuda
 @pytest.mark.parametrize("preset", ["31b", "26b-a4b"])
 def test_gpu_engine_tokens_identical_with_decode_merge(preset):
-    """Real widths with 2 layers, FlashInfer + CUDA graphs + the fused kernels, the Triton decode at every
-    decode-only step (padded graph rows included), PDL where available: decode_merge fused (the sliding layers'
-    slices merged in the decode launch) gives the launch arm's tokens, also switched on a live engine."""
-    pytest.importorskip("flashinfer")
-    from perfkit.kernels.pdl import pdl_available
-    from perfkit.runtime.engine import Engine, EngineConfig
-    from perfkit.runtime.model_config import get_preset
-    from perfkit.runtime.weights import build_model
+    """decode_merge fused (the sliding layers' slices merged in the decode launch) gives the launch arm's tokens,
+    also switched on a live engine, its counters back at zero after every engine (`_toggle_arm_tokens`)."""
 
-    cfg = get_preset(preset, num_layers=2)
-    model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
-    rng = random.Random(7)
-    reqs = [[rng.randint(3, min(cfg.vocab_size, 250_000) - 1) for _ in range(rng.randint(1, 900))] for _ in range(10)]
-    kw = dict(attention="flashinfer", cuda_graphs=True, page_size=16, max_batch_size=8, max_num_tokens=1024,
-              num_kv_pages=2000, max_model_len=1024, mask="triton", fused_kernels=True, decode_attention="triton",
-              pdl=pdl_available(torch.device("cuda")))  # fmt: skip
-
-    def run(e):
-        rids = [e.add_request(p, max_new_tokens=8 + (i % 5) * 6) for i, p in enumerate(reqs)]
-        got = e.generate_all()
-        e.bm.check_no_leaks()
+    def counters_zero(e):
         assert not e.runner.backend._merge_count.any()
-        return [got[r] for r in rids]
 
-    outs = [run(Engine(model, cfg, EngineConfig(**kw, decode_merge=m))) for m in ("launch", "fused")]
-    live = Engine(model, cfg, EngineConfig(**kw))
-    live.set_toggle("decode_merge", "fused")
-    assert live.toggles()["decode_merge"] == "fused" and live.runner.backend.decode_merge == "fused"
-    outs.append(run(live))
+    arms = [{"decode_merge": m} for m in ("launch", "fused")]
+    outs = _toggle_arm_tokens(preset, arms, "decode_merge", "fused", 7, 900, 1024, after=counters_zero)
     assert outs[0] == outs[1] == outs[2]
 
 
