@@ -213,7 +213,8 @@ def test_tc_gemv_decode_and_k_order_are_exact():
 
 def test_tc_gemv_config_rules(monkeypatch):
     """pick_config on a (faked) sm_90 GPU: the tensor-core tile for 2..GEMV_TC_MAX_M rows of bf16 x with K of whole
-    64-wide steps (256-wide up to GEMV_TC_WIDE_STEP_MAX_M rows, then 128-wide; halved until the step divides K), at M =
+    64-wide steps (256-wide up to GEMV_TC_WIDE_STEP_MAX_M rows, then 128-wide, above 16 rows 32 rows of x per
+    program; halved until the step divides K), at M =
     1 only for wide (N >= K) or large (GEMV_TC_M1_MIN_ELEMENTS) products, above 16 rows only for large ones
     (GEMV_TC_GROUPS_MIN_ELEMENTS), the CUDA-core tile at M = 1 otherwise, None (the W8A8 path) beyond; without tensor
     cores one row. A tc tile the kernel cannot take (fp16 x, more than 4 groups of 16 rows) runs the CUDA-core default
@@ -224,13 +225,15 @@ def test_tc_gemv_config_rules(monkeypatch):
     wide, rows = fg.GEMV_TC_CONFIG, fg.GEMV_TC_ROWS_CONFIG
     assert fg.pick_config(fg.GEMV_TC_WIDE_STEP_MAX_M, 5376, 8192, bf) is wide
     assert fg.pick_config(fg.GEMV_TC_WIDE_STEP_MAX_M + 1, 5376, 8192, bf) is rows
-    assert fg.pick_config(fg.GEMV_TC_MAX_M, 5376, 8192, bf) is rows
+    assert fg.pick_config(16, 5376, 8192, bf) is rows
     assert fg.pick_config(1, 43008, 5376, bf) is wide and fg.pick_config(1, 5376, 21504, bf) is wide  # H200 12-18
     assert fg.pick_config(1, 5376, 8192, bf) is GEMV_CONFIG and fg.pick_config(1, 5376, 16384, bf) is GEMV_CONFIG
     assert fg.pick_config(4, 2816, 2112, bf) == dataclasses.replace(wide, block_k=64)  # 26B-A4B down
     assert fg.pick_config(2, 4224, 2816 + 128, bf) == dataclasses.replace(wide, block_k=128)
     assert fg.pick_config(fg.GEMV_TC_MAX_M + 1, 5376, 5376, bf) is None
-    assert fg.pick_config(17, 5376, 8192, bf) is rows and fg.pick_config(17, 2816, 8192, bf) is None  # 44 M / 23 M
+    cols = fg.GEMV_TC_COLS_CONFIG  # above 16 rows: 32 rows of x per program
+    assert fg.pick_config(17, 5376, 8192, bf) is cols and fg.pick_config(17, 2816, 8192, bf) is None  # 44 M / 23 M
+    assert fg.pick_config(32, 5376, 8192, bf) is cols
     assert fg.pick_config(2, 5376, 5376 + 16, bf) is None and fg.pick_config(1, 5376, 5376 + 16, bf) is GEMV_CONFIG
     assert fg.pick_config(2, 5376, 5376, half) is None and fg.pick_config(1, 5376, 5376, half) is GEMV_CONFIG
     assert fg.gemv_max_m(torch.bfloat16, "cuda") == fg.GEMV_TC_MAX_M and fg.gemv_max_m(torch.float16, "cuda") == 1
