@@ -28,7 +28,8 @@ Toggles (settable on a live engine with `set_toggle`; both arms of every toggle 
   the newest K / V row's write inside the decode kernel instead of their own launch; the same arithmetic, bit for
   bit under the interpreter, a q element an ulp apart now and then on the GPU)
   decode_merge=launch|fused (the Triton decode's merge of its split-KV slices in a launch of its own, or, where it is
-  small, by the last slice of each (row, kv head) in the decode launch; the same sums to their order)
+  small, by the last slice of each (row, kv head) in the decode launch; the same tiles and sums: bit for bit with bf16
+  caches, an ulp apart at times with fp8 ones)
   w4a16_words=auto|standard|repacked (NVFP4 weights' words in the checkpoint's bit order or repacked, which the
   tensor-core gemv decodes with fewer instructions; auto: where the batch-1 product is faster so; bit for bit)
 Three toggles change the arithmetic's order, so their arms agree to rounding rather than bit for bit:
