@@ -574,8 +574,7 @@ def paged_decode_attention(
         UPCAST=interpreting(), PROLOGUE=int(prologue is not None), NEW_KV=int(new_kv),
         count_ptr=merge_counter if fuse else lse, FUSE_MERGE=int(fuse), MERGE_S=MERGE_BLOCK_S,
         MERGE_CHUNKS=triton.cdiv(num_splits, MERGE_BLOCK_S) if fuse else 1, MERGE_D=block_d if fuse else 128,
-        num_warps=num_warps,
-        num_stages=num_stages, **pdl_launch(pdl),
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     if not direct and not fuse:
         _merge_splits_kernel[(B, H, D // block_d)](

@@ -1452,9 +1452,10 @@ def tc_rows_fit(M: int, dtype: torch.dtype) -> bool:
 
 
 def tc_groups_pay(M: int, N: int, K: int) -> bool:
-    """Whether M rows of x against an N x K weight may take the tensor-core gemv by default as far as its row groups
-    go: up to 16 rows always, above only for products of GEMV_TC_GROUPS_MIN_ELEMENTS (each group decodes the tile
-    again). The W4A16 and the FP8 rule (``pick_config`` in both modules)."""
+    """Whether M rows of x against an N x K weight may take the tensor-core gemv by default as far as its rows above
+    16 go: up to 16 rows always, above only for products of GEMV_TC_GROUPS_MIN_ELEMENTS (the 31B's, where it was
+    timed; the 26B-A4B's smaller dense products lost to the dot path at 16 rows already). The W4A16 and the FP8 rule
+    (``pick_config`` in both modules)."""
     return M <= 16 or N * K >= GEMV_TC_GROUPS_MIN_ELEMENTS
 
 
