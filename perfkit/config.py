@@ -164,6 +164,16 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
         "attention=torch; launch by default: fused was slower on the H200 (12-19: 26B-A4B c1 TPOT 2.761 -> 2.908 "
         "ms, c4 +1.2 %, 31B c1 16.23 -> 16.52 ms, c4 +1.8 %)",
     ),
+    "decode_io": (
+        ("separate", "fused"),
+        "fused",
+        "decode steps replayed from CUDA graphs: the token embedding rows (placeholders to pad, the sqrt(H) scale) and "
+        "both RoPE tables' rows written into the graph's inputs by ~18 torch launches, and the logits soft-capped by "
+        "four and their argmax taken by the sampler (separate), vs one launch before the replay and one at the "
+        "graph's end that soft-caps and writes each row's argmax (fused; perfkit/kernels/decode_io.py); the same "
+        "values bit for bit; the embedding launch only on models without per-layer inputs and not under tensor "
+        "parallelism; no effect with cuda_graphs off",
+    ),
     "w4a16_words": (
         ("auto", "standard", "repacked"),
         "auto",
@@ -217,6 +227,7 @@ class Toggles(BaseModel):
     decode_moe_ffn: Literal["separate", "fused", "branches"] = "branches"
     decode_prologue: Literal["separate", "fused"] = "separate"
     decode_merge: Literal["launch", "fused"] = "launch"
+    decode_io: Literal["separate", "fused"] = "fused"
     w4a16_words: Literal["auto", "standard", "repacked"] = "auto"
     attention: Literal["auto", "flashinfer", "torch"] = "auto"
 
@@ -249,6 +260,7 @@ class PartialToggles(BaseModel):
     decode_moe_ffn: Literal["separate", "fused", "branches"] | None = None
     decode_prologue: Literal["separate", "fused"] | None = None
     decode_merge: Literal["launch", "fused"] | None = None
+    decode_io: Literal["separate", "fused"] | None = None
     w4a16_words: Literal["auto", "standard", "repacked"] | None = None
     attention: Literal["auto", "flashinfer", "torch"] | None = None
 

@@ -373,6 +373,7 @@ def load_target(
         decode_moe_ffn=toggles.decode_moe_ffn,
         decode_prologue=toggles.decode_prologue == "fused",
         decode_merge=toggles.decode_merge,
+        decode_io=toggles.decode_io == "fused",
         w4a16_words=toggles.w4a16_words,
         decode_use_tensor_cores=None if rt.decode_tensor_cores == "auto" else rt.decode_tensor_cores == "on",
         seed=mcfg.seed,

@@ -11,6 +11,10 @@ every size (so the graphs' memory is the largest size's intermediates, not a sum
 eagerly before the replay and write into static buffers: the model's `embed` builds a small CPU tensor per call
 (an H2D copy that cannot be captured) and `_rope` checks `positions.max()` on the host. RoPE tables are sized to
 max_model_len before capture; the tables used at capture are kept alive and a changed table disables replay.
+
+With `fused_io` (toggle decode_io, perfkit/kernels/decode_io.py) the embedding rows and RoPE rows are one launch
+(`Gemma4ForCausalLM.decode_rows`, where it applies) instead of ~18 torch launches, and the graph's soft-cap also
+writes each row's argmax (`greedy`), which the engine's sampler takes instead of its own argmax.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, backend, kv_cache, block_manager, max_batch_size: int):
+    def __init__(self, model, backend, kv_cache, block_manager, max_batch_size: int, fused_io: bool = False):
         self.model = model
         self.backend = backend
         self.kv = kv_cache
@@ -62,6 +66,12 @@ class DecodeGraphs:
         self.logits: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._dummy_tables = HostPageTableBuilder(block_manager, dev, max_tokens=n, max_batch_size=n)
+        self.fused_rows = fused_io and model.decode_rows_apply()
+        self.greedy = None  # decode_io.GreedyIds: the argmax of every captured row, written by the graph
+        if fused_io:
+            from perfkit.kernels.decode_io import GreedyIds
+
+            self.greedy = GreedyIds.new(n, cfg.vocab_size, dev)
 
     def size_for(self, batch: int, max_kv_end: int) -> int | None:
         """Captured size to replay for a pure-decode batch, or None (run eagerly)."""
@@ -76,7 +86,7 @@ class DecodeGraphs:
     def _body(self, bs: int) -> torch.Tensor:
         rope = {s: (cs[0][:bs], cs[1][:bs]) for s, cs in self.cos_sin.items()}
         h = self.model.decode_layers(self.h[:bs], rope, self.backend, None if self.ple is None else self.ple[:bs])
-        return self.model.logits(h, out=self.logits_buf[:bs])
+        return self.model.logits(h, out=self.logits_buf[:bs], greedy=None if self.greedy is None else self.greedy.head(bs))
 
     def _static_meta(self, meta: AttentionMetadata, bs: int) -> AttentionMetadata:
         pools = {}
@@ -88,6 +98,10 @@ class DecodeGraphs:
 
     def _prologue(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         bs = input_ids.shape[0]
+        if self.fused_rows:
+            rope_rows = {s: (c[:bs], sn[:bs]) for s, (c, sn) in self.cos_sin.items()}
+            self.model.decode_rows(input_ids, positions, self.h[:bs], rope_rows)
+            return
         h, text_ids = self.model.embed(input_ids)
         self.h[:bs].copy_(h)
         if self.ple is not None:
@@ -135,3 +149,7 @@ class DecodeGraphs:
         self.backend.set_metadata(self._static_meta(inp.meta, bs))  # plan outside the graph, every replay
         self.graphs[bs].replay()
         return self.logits[bs]
+
+    def greedy_ids(self, rows: int) -> torch.Tensor | None:
+        """The argmax ids of the last replay's first `rows` rows (fused_io), else None."""
+        return None if self.greedy is None else self.greedy.ids[:rows]

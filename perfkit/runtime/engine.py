@@ -30,6 +30,8 @@ Toggles (settable on a live engine with `set_toggle`; both arms of every toggle 
   decode_merge=launch|fused (the Triton decode's merge of its split-KV slices in a launch of its own, or, where it is
   small, by the last slice of each (row, kv head) in the decode launch; the same tiles and sums: bit for bit with bf16
   caches, an ulp apart at times with fp8 ones)
+  decode_io=separate|fused (CUDA-graph decode steps: the embedding and RoPE rows in one launch before the replay, and
+  the soft-cap writing each row's argmax in one launch at the graph's end, which the sampler takes; bit for bit)
   w4a16_words=auto|standard|repacked (NVFP4 weights' words in the checkpoint's bit order or repacked, which the
   tensor-core gemv decodes with fewer instructions; auto: where the batch-1 product is faster so; bit for bit)
 Three toggles change the arithmetic's order, so their arms agree to rounding rather than bit for bit:
@@ -76,6 +78,7 @@ TOGGLES = {
     "decode_moe_ffn": ("separate", "fused", "branches"),
     "decode_prologue": ("separate", "fused"),
     "decode_merge": ("launch", "fused"),
+    "decode_io": ("separate", "fused"),
     "w4a16_words": ("auto", "standard", "repacked"),
 }
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -113,6 +116,7 @@ class EngineConfig:
     decode_moe_ffn: str = "separate"  # with decode_fusion: a MoE layer's FFN block, separate | fused | branches
     decode_prologue: bool = False  # q/k norm + RoPE + the new K / V row inside the Triton decode (attend_raw)
     decode_merge: str = "launch"  # launch | fused: the Triton decode's merge of its slices (paged_decode)
+    decode_io: bool = False  # graph decode steps' inputs and soft-cap + argmax in one launch each (decode_io.py)
     w4a16_words: str = "standard"  # auto | standard | repacked: NVFP4 weights' word order (set_w4a16_words)
     workspace_bytes: int = 256 << 20  # flashinfer float workspace, shared by every wrapper
     seed: int = 0  # sampling generators
@@ -321,7 +325,8 @@ class Engine:
 
             t0 = time.perf_counter()
             with self.ranges.range("graph_capture"):
-                self._graphs = DecodeGraphs(self.model, backend, self.kv, self.bm, self.ec.max_batch_size)
+                self._graphs = DecodeGraphs(self.model, backend, self.kv, self.bm, self.ec.max_batch_size,
+                                            fused_io=self.ec.decode_io)  # fmt: skip
                 self._graphs.capture()
             self._graph_capture_s += time.perf_counter() - t0
         self.runner.graphs = self._graphs
@@ -377,6 +382,10 @@ class Engine:
         elif name == "decode_merge" and value != self.ec.decode_merge:
             self.ec = replace(self.ec, decode_merge=value)
             self._set_flashinfer("decode_merge", value)
+        elif name == "decode_io" and (value == "fused") != self.ec.decode_io:
+            self.ec = replace(self.ec, decode_io=value == "fused")
+            self._graphs = None  # the graphs' tail launches the other kernels: capture again
+            self._sync_graphs()
         elif name == "w4a16_words" and value != self.ec.w4a16_words:
             self.ec = replace(self.ec, w4a16_words=value)
             self._words = self.model.set_w4a16_words(value)
@@ -440,6 +449,7 @@ class Engine:
             "decode_moe_ffn": ec.decode_moe_ffn,
             "decode_prologue": "fused" if ec.decode_prologue else "separate",
             "decode_merge": ec.decode_merge,
+            "decode_io": "fused" if ec.decode_io else "separate",
             "w4a16_words": ec.w4a16_words,
         }  # fmt: skip
 
@@ -516,7 +526,8 @@ class Engine:
                 with R("sample"):
                     reqs = inputs.sample_reqs
                     gens = [self._generators.get(r.request_id) for r in reqs]
-                    ids = sample_on_device(logits, [r.sampling for r in reqs], gens)
+                    greedy = self.runner.greedy_ids(inputs)
+                    ids = sample_on_device(logits, [r.sampling for r in reqs], gens, greedy=greedy)
                     launched = _Launched(ids, self._tokens.start(ids), self._defer(reqs))
             outputs = self._resolve(self._pending) if self._pending is not None else []
             self._pending = None

@@ -77,7 +77,7 @@ def _kernels(pdl: bool = False) -> SimpleNamespace:
 
 @functools.cache
 def _kernel_table(pdl: bool) -> SimpleNamespace:
-    from perfkit.kernels import gelu_mul, gemv, moe, moe_ffn, qk_norm_rope, rmsnorm
+    from perfkit.kernels import decode_io, gelu_mul, gemv, moe, moe_ffn, qk_norm_rope, rmsnorm
 
     def bind(fn):
         return functools.partial(fn, pdl=pdl)
@@ -97,6 +97,8 @@ def _kernel_table(pdl: bool) -> SimpleNamespace:
         fused_moe=bind(moe.fused_moe),
         moe_ffn=bind(moe_ffn.moe_ffn),
         moe_ffn_fits=moe_ffn.moe_ffn_fits,  # no launch
+        decode_rows=bind(decode_io.decode_rows),
+        softcap_argmax=bind(decode_io.softcap_argmax),
     )
 
 
@@ -711,6 +713,7 @@ class Gemma4ForCausalLM(nn.Module):
 
     gemv_tiles: GemvTiles = NO_GEMV  # set by set_decode_gemv (the LM head's)
     pdl = False  # set by set_pdl
+    own_lookups = True  # the table lookups and LM head are this class's (tensor parallelism shards them: tp.py)
 
     def __init__(self, cfg: Gemma4Config, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
@@ -1010,16 +1013,42 @@ class Gemma4ForCausalLM(nn.Module):
             )
         return h
 
-    def logits(self, h: Tensor, out: Tensor | None = None) -> Tensor:
+    def logits(self, h: Tensor, out: Tensor | None = None, greedy=None) -> Tensor:
         """[N, H] final hidden -> float32 soft-capped logits [N, V] (tied embedding as LM head).
 
         out: an fp32 [N, V] buffer to write them into, in place (same values, bit for bit). The decode graphs
         pass one static buffer shared by every captured size: each graph's own logits output stayed allocated
-        as long as the graph, ~1 MiB per row, so batch sizes up to 1024 held ~33 GB (12-01c, 26B-A4B)."""
+        as long as the graph, ~1 MiB per row, so batch sizes up to 1024 held ~33 GB (12-01c, 26B-A4B).
+        greedy: with out, a `decode_io.GreedyIds` (toggle decode_io): one launch soft-caps into out and writes
+        each row's argmax into greedy.ids, in place of the soft-cap's four launches and the sampler's argmax."""
         z = self._lm_head(self.norm(h))
         cap = self.cfg.final_logit_softcapping
         if out is None:
             logits = z.float()
             return torch.tanh(logits / cap) * cap if cap else logits
+        if greedy is not None:
+            return _kernels(self.pdl).softcap_argmax(z, cap, out, greedy)
         out.copy_(z)
         return out.div_(cap).tanh_().mul_(cap) if cap else out
+
+    def decode_rows_apply(self) -> bool:
+        """`decode_rows` can stand for `embed` + the RoPE lookup of a text decode step: the model's own table (not a
+        vocab shard) and no per-layer inputs (PLE projects the embedding with a matmul; its models keep the torch
+        ops)."""
+        return self.own_lookups and not self.cfg.has_ple
+
+    def decode_rows(
+        self, input_ids: Tensor, positions: Tensor, h_out: Tensor, rope_out: dict[bool, tuple[Tensor, Tensor]]
+    ) -> None:
+        """A text decode step's inputs in one launch (perfkit/kernels/decode_io.py; toggle decode_io): h_out [B, H]
+        = `embed(input_ids)[0]` and rope_out {is_sliding: (cos, sin) [B, hd/2]} = the RoPE rows of `positions`, bit for
+        bit. Only where `decode_rows_apply`; the RoPE tables must cover the positions (`ensure_rope`)."""
+        cfg = self.cfg
+        w = self.embed_tokens.weight
+        assert self.rope is not None
+        keys = list(rope_out)
+        _kernels(False).decode_rows(  # eager, after the step's uploads (no kernel to overlap) and before a replay
+            input_ids, positions, w, round_to(cfg.embed_scale, w.dtype),
+            (cfg.pad_token_id, cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id), h_out,
+            [self.rope.tables[k] for k in keys], [rope_out[k] for k in keys],
+        )  # fmt: skip

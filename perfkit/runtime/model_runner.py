@@ -231,3 +231,10 @@ class ModelRunner:
             return logits[: len(inp.sample_reqs)]
         self.backend.set_metadata(inp.meta)
         return self.model(inp.input_ids, inp.positions, self.backend, inp.mm_embeds, inp.logits_indices)
+
+    def greedy_ids(self, inp: StepInputs) -> torch.Tensor | None:
+        """The argmax of each sampled row of `inp`'s logits where the step's graph computed it (toggle decode_io),
+        else None. Valid until the next replay: the sampler reads it first, in stream order."""
+        if inp.meta.graph_batch_size is None or self.graphs is None:
+            return None
+        return self.graphs.greedy_ids(len(inp.sample_reqs))

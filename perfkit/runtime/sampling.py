@@ -28,10 +28,15 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
 
 
 def sample_on_device(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    greedy: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """logits [N, V] float -> int64 token ids [N] on logits' device; no host sync (multinomial draws included)."""
-    ids = logits.argmax(dim=-1)
+    """logits [N, V] float -> int64 token ids [N] on logits' device; no host sync (multinomial draws included).
+    greedy: logits.argmax(-1) computed already (the decode graph's output launch, toggle decode_io); the rows that
+    sample are written into it."""
+    ids = logits.argmax(dim=-1) if greedy is None else greedy
     for i, (p, g) in enumerate(zip(params, generators, strict=True)):
         if p.temperature > 0.0:
             ids[i] = _sample_row(logits[i], p, g)

@@ -273,6 +273,7 @@ class _TPModel:
 
     tp: TPInfo
     cfg: Gemma4Config
+    own_lookups = False  # decode_io's row launch reads the whole table: these models keep embed (decode_rows_apply)
 
     def _token_embeddings(self, text_ids: Tensor) -> Tensor:
         w = self.embed_tokens.weight  # type: ignore[attr-defined]
