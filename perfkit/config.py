@@ -466,6 +466,11 @@ class ScenarioConfig(BaseModel):
     warmup_requests: int = Field(default=0, ge=0)
     slo: SLO | None = None
     runner: Literal["engine", "hf"] = "engine"
+    models: list[str] | None = Field(
+        default=None, min_length=1,
+        description="the suite's model names this scenario runs on (a several-model suite: the preset, or the "
+        "checkpoint folder's name); default: every model",
+    )  # fmt: skip
 
     @field_validator("arrival", mode="before")
     @classmethod
@@ -565,6 +570,12 @@ class RunConfig(BaseModel):
         arm_names = [a.name for a in self.arms]
         if len(set(arm_names)) != len(arm_names):
             raise ValueError("arm names must be unique")
+        model_names_ = [n for n, _ in self.model_list()]
+        for s in self.scenarios:
+            unknown = [m for m in s.models or [] if m not in model_names_]
+            if unknown:
+                raise ValueError(f"scenario {s.name}: models {', '.join(unknown)} are not in the suite; "
+                                 f"allowed: {', '.join(model_names_)}")  # fmt: skip
         max_len = self.runtime.max_model_len
         for where, m in [("model", self.model)] + [(f"models[{i}]", m) for i, m in enumerate(self.models)]:
             if m.sliding_window is not None and m.sliding_window > max_len:
@@ -598,6 +609,10 @@ class RunConfig(BaseModel):
         """(name, model) pairs; the name prefixes scenario names when several models run in one suite."""
         models = self.models or [self.model]
         return list(zip(model_names([(m.preset, m.path) for m in models]), models, strict=True))
+
+    def scenarios_of(self, model_name: str, runner: str) -> list[ScenarioConfig]:
+        """The scenarios a model runs with a runner, in suite order (a scenario's `models` narrows them)."""
+        return [s for s in self.scenarios if s.runner == runner and (s.models is None or model_name in s.models)]
 
     def arm_list(self) -> list[tuple[str, Toggles]]:
         """Resolved arms: (name, full toggles). No arms declared = one arm named 'default'."""

@@ -139,3 +139,20 @@ def test_resolve_toggles_auto_fused_kernels_and_refusals(monkeypatch):
     assert resolve_toggles(Toggles(fused_kernels="off", attention="torch"), "cuda").fused_kernels == "off"
     with pytest.raises(PerfkitError, match="fused_kernels=on needs a CUDA GPU"):
         resolve_toggles(Toggles(fused_kernels="on"), "cpu")
+
+
+def test_scenario_models_narrow_a_several_model_suite(tmp_path):
+    """`models:` on a scenario runs it on those of the suite's models only; a name outside the suite is one line."""
+    models = [{"preset": "tiny", "dtype": "float32"}, {"preset": "tiny-moe", "dtype": "float32"}]
+    scen = [{"name": "a", "workload": {"isl": 8, "osl": 4}, "num_requests": 2},
+            {"name": "b", "workload": {"isl": 8, "osl": 4}, "num_requests": 2, "models": ["tiny-moe"]},
+            {"name": "h", "runner": "hf", "workload": {"isl": 8, "osl": 4}, "num_requests": 2, "models": ["tiny"]}]
+    cfg = load_config(_write(tmp_path, {"name": "t", "models": models, "scenarios": scen}))
+    assert [s.name for s in cfg.scenarios_of("tiny", "engine")] == ["a"]
+    assert [s.name for s in cfg.scenarios_of("tiny-moe", "engine")] == ["a", "b"]
+    assert [s.name for s in cfg.scenarios_of("tiny", "hf")] == ["h"] and not cfg.scenarios_of("tiny-moe", "hf")
+    scen[1]["models"] = ["31b", "tiny"]
+    res, p = _validate(tmp_path, {"name": "t", "models": models, "scenarios": scen})
+    assert res.exit_code == 2
+    assert res.output.strip().splitlines() == [
+        f"error: {p}: scenario b: models 31b are not in the suite; allowed: tiny, tiny-moe"]

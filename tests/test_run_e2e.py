@@ -229,3 +229,19 @@ def test_quantized_weights_run_and_say_which_path(tmp_path, scheme):
     q = s.runtime["quant"]
     assert s.status == "ok" and q["scheme"] == scheme and q["quant_backend"]
     assert q["quantized_bytes_after"] < q["quantized_bytes_before"]
+
+
+def test_scenario_models_run_on_their_models_only(tmp_path):
+    """A several-model suite runs a scenario with `models:` on those models only, in suite order."""
+    p = _small_config(
+        tmp_path,
+        scenarios=[{"name": "a", "workload": {"isl": 8, "osl": 2}, "num_requests": 1},
+                   {"name": "b", "workload": {"isl": 8, "osl": 2}, "num_requests": 1, "models": ["tiny-moe"]}],
+        models=[{"preset": "tiny", "dtype": "float32", "device": "cpu"},
+                {"preset": "tiny-moe", "dtype": "float32", "device": "cpu"}],
+    )  # fmt: skip
+    res = CliRunner().invoke(app, ["run", str(p), "--out", str(tmp_path / "r")])
+    assert res.exit_code == 0, res.output
+    result = read_result(next((tmp_path / "r").iterdir()))
+    assert [s.name for s in result.scenarios] == ["tiny/a", "tiny-moe/a", "tiny-moe/b"]
+    assert all(s.status == "ok" for s in result.scenarios)

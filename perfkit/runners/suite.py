@@ -141,7 +141,7 @@ def run_suite(cfg: RunConfig, out_dir: Path | None, command: str, console: Conso
             device = devices[model_name]
             # the engine's scenarios first, then the HF peer's: each target holds the GPU alone
             for runner in ("engine", "hf"):
-                scenarios = [s for s in cfg.scenarios if s.runner == runner]
+                scenarios = cfg.scenarios_of(model_name, runner)
                 if not scenarios:
                     continue
                 if runner == "hf" and tp is not None:  # the HF peer is single-GPU: recorded, not run
