@@ -11,7 +11,8 @@ import sys
 import pytest
 
 # Defined for every script: ``resource_usage(kernel)`` -> (registers, stack bytes) of a compiled kernel's cubin, read
-# with the cuobjdump Triton ships (a kernel compiled ahead of time has no n_regs / n_spills: those come with loading).
+# with the cuobjdump Triton ships (a kernel compiled ahead of time has no n_regs / n_spills: those come with loading);
+# ``sm90_compile(fn, signature, constexprs, num_warps)`` -> the kernel compiled for sm_90.
 _PRELUDE = """
 def resource_usage(kernel):
     import os, re, subprocess, tempfile
@@ -22,6 +23,13 @@ def resource_usage(kernel):
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     return tuple(int(re.search(p, usage).group(1)) for p in (r"REG:(\\d+)", r"STACK:(\\d+)"))
+
+def sm90_compile(fn, sig, consts, warps):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    s = sig | dict.fromkeys(consts, "constexpr")  # ASTSource applies no defaults: every constexpr given
+    return triton.compile(ASTSource(fn, s, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 """
 
 

@@ -179,15 +179,11 @@ def test_sm90_compile():
 
 _SM90_COMPILE = """
 import json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from perfkit.kernels import decode_io as d
 
 def compile(fn, sig, consts, warps):
-    s = sig | dict.fromkeys(consts, "constexpr")
     try:
-        k = triton.compile(ASTSource(fn, s, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        k = sm90_compile(fn, sig, consts, warps)
         assert "griddepcontrol.wait" in k.asm["ptx"]
         return list(resource_usage(k))
     except Exception as exc:
