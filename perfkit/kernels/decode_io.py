@@ -23,6 +23,11 @@ Two launches replace them:
   of the P partial maxima, the first one on ties, so the id is ``logits.argmax(-1)`` of the stored logits exactly.
   The counters are back at zero after every launch, so a captured launch replays as is.
 
+Measured (H200 12-20, ``configs/ab_decode_io.yaml``, ``docs/h200-runs/2026-12-20/2-*``, TPOT p50 separate -> fused,
+2 repeats interleaved): 26B-A4B c1 2.753 -> 2.704 ms (-1.8 %), c4 5.277 -> 5.216; 31B c1 16.26 -> 16.22, c4 17.56 ->
+17.51. In the profile (``4-p26.trace.json.xz``) the rows take 2.2 us and the soft-cap + argmax 15.5 us, ~9 us of it
+under the LM head's tail (PDL). Hence the toggle's default, fused.
+
 Exactness: the rows are copies and one multiply rounded once, bit for bit the torch ops. The soft-cap's tanh is
 libdevice's ``tanhf`` on the GPU (torch's CUDA ``tanh`` is the same function) and numpy's under the CPU interpreter.
 NaN logits count as +inf for the argmax (torch's argmax also returns a NaN's column; it would pick a NaN after an
