@@ -59,6 +59,7 @@ import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +67,9 @@ from torch import Tensor, nn
 
 from perfkit.runtime.attention.base import AttentionBackend, AttnLayer
 from perfkit.runtime.model_config import Gemma4Config
+
+if TYPE_CHECKING:  # Triton is imported on first use only (_kernels)
+    from perfkit.kernels.decode_io import GreedyIds
 
 
 def _kernels(pdl: bool = False) -> SimpleNamespace:
@@ -1013,7 +1017,7 @@ class Gemma4ForCausalLM(nn.Module):
             )
         return h
 
-    def logits(self, h: Tensor, out: Tensor | None = None, greedy=None) -> Tensor:
+    def logits(self, h: Tensor, out: Tensor | None = None, greedy: GreedyIds | None = None) -> Tensor:
         """[N, H] final hidden -> float32 soft-capped logits [N, V] (tied embedding as LM head).
 
         out: an fp32 [N, V] buffer to write them into, in place (same values, bit for bit). The decode graphs
