@@ -43,6 +43,23 @@ def test_decode_rows_equal_reference(B, H, widths, dtype):
         assert torch.equal(c, cr) and torch.equal(s, sr)
 
 
+def test_decode_rows_take_the_previous_sampled_ids():
+    """Rows with row_src >= 0 read their token from prev_ids (the runner's gather of the previous step's sampled
+    ids, in the same launch), a gathered placeholder id reads the pad row, the others keep input_ids."""
+    ids, pos, emb, tables = _rows_case(4, 300, 48, [8, 16], torch.float32, seed=3)
+    ids = torch.tensor([7, 0, 0, 9], device=DEV)
+    prev = torch.tensor([11, 250, 13, 14, 15], device=DEV)  # 250: an image placeholder
+    src = torch.tensor([-1, 2, 1, -1], device=DEV)
+    h = torch.empty(4, 48, device=DEV)
+    out = [(torch.empty(4, w, device=DEV), torch.empty(4, w, device=DEV)) for w in (8, 16)]
+    dio.decode_rows(ids, pos, emb, 2.0, TOKENS, h, tables, out, row_src=src, prev_ids=prev)
+    h_ref, rope_ref = dio.decode_rows_reference(ids, pos, emb, 2.0, TOKENS, tables, row_src=src, prev_ids=prev)
+    assert torch.equal(h, h_ref)
+    assert torch.equal(h, emb[torch.tensor([7, 13, 0, 9], device=DEV)] * 2.0)
+    with pytest.raises(ValueError, match="go together"):
+        dio.decode_rows(ids, pos, emb, 2.0, TOKENS, h, tables, out, row_src=src)
+
+
 def test_decode_rows_bad_inputs():
     ids, pos, emb, tables = _rows_case(2, 50, 16, [8, 8], torch.float32)
     h = torch.empty(2, 16, device=DEV)
@@ -195,11 +212,13 @@ sig = {"z_ptr": "*bf16", "out_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i3
 for cap in (1, 0):
     rows.append(compile(d._softcap_argmax_kernel, sig, {"HAS_CAP": cap, "BLOCK": d.ARGMAX_BLOCK, "BLOCK_P": 128,
                                                         "INTERP": 0, "PDL": 1}, 4))
-sig = {"ids_ptr": "*i64", "pos_ptr": "*i64", "emb_ptr": "*bf16", "h_ptr": "*bf16"}
+sig = {"ids_ptr": "*i64", "pos_ptr": "*i64", "src_ptr": "*i64", "prev_ptr": "*i64", "emb_ptr": "*bf16",
+       "h_ptr": "*bf16"}
 sig |= dict.fromkeys(("ca_ptr", "sa_ptr", "ca_out", "sa_out", "cb_ptr", "sb_ptr", "cb_out", "sb_out"), "*bf16")
 sig |= dict.fromkeys(("H", "DA", "DB", "stride_emb", "stride_h"), "i32") | {"scale": "fp32"}
 sig |= dict.fromkeys(("pad_id", "image_id", "video_id", "audio_id"), "i32")
-rows.append(compile(d._decode_rows_kernel, sig, {"HAS_B": 1, "BLOCK_H": 1024, "BLOCK_D": 256, "PDL": 1}, 4))
+rows.append(compile(d._decode_rows_kernel, sig, {"HAS_B": 1, "BLOCK_H": 1024, "BLOCK_D": 256, "HAS_SRC": 1,
+                                                 "PDL": 1}, 4))
 print(json.dumps(rows))
 """
 
@@ -263,20 +282,21 @@ def test_gpu_decode_rows_real_shapes():
 @needs_cuda
 @pytest.mark.parametrize("preset", ["31b", "26b-a4b"])
 def test_gpu_engine_tokens_identical_with_decode_io(preset):
-    """decode_io fused gives the separate arm's tokens (greedy), also switched on a live engine; the graphs took
-    the fused launches and left the counters at zero."""
+    """decode_io fused gives the separate arm's tokens (greedy), with the host page tables (the graphs read the
+    step's one upload in place) and the padded ones (the per-step uploads and copies), also switched on a live
+    engine; the graphs took the fused launches and left the counters at zero."""
     from test_paged_decode import _toggle_arm_tokens
 
     def used_fused(e):
         g = e.runner.graphs
         assert g is not None and (g.greedy is not None) == e.ec.decode_io
-        assert g.fused_rows == e.ec.decode_io
+        assert (g.inputs is not None) == (e.ec.decode_io and e.ec.page_table == "host")  # graph_inputs.py
         if g.greedy is not None:
             assert not g.greedy.count.any()
 
-    arms = [{"decode_io": f} for f in (False, True)]
+    arms = [{"decode_io": False}, {"decode_io": True}, {"decode_io": True, "page_table": "padded"}]
     outs = _toggle_arm_tokens(preset, arms, "decode_io", "fused", 3, 300, 512, after=used_fused)
-    assert outs[0] == outs[1] == outs[2]
+    assert outs[0] == outs[1] == outs[2] == outs[3]
 
 
 @pytest.mark.gpu

@@ -15,7 +15,9 @@ Two launches replace them:
 - :func:`decode_rows` (``_decode_rows_kernel``), grid ``(B, 1 + tables)``: program ``(b, 0)`` writes row b of the
   graph's hidden input, ``emb[id'] * scale`` with ``id' = pad`` for image / video / audio placeholders (what
   ``Gemma4ForCausalLM.embed`` does for a text step), program ``(b, 1 + t)`` copies the cos / sin rows of position b
-  of RoPE table t into the graph's static rows.
+  of RoPE table t into the graph's static rows. With ``row_src`` the row's token is first taken from the previous
+  step's sampled ids where the runner would have gathered it (2 more launches). Since the step's host inputs arrive
+  in one upload at captured addresses (``perfkit/runtime/graph_inputs.py``), this is the graph's first launch.
 - :func:`softcap_argmax` (``_softcap_argmax_kernel``), grid ``(R, P)``: each program turns BLOCK columns of the LM
   head's output into ``cap * tanh(z * (1 / cap))`` in fp32 (torch's order of operations: its ``div_`` by a scalar
   multiplies by the fp32 reciprocal) and stores them, then its largest value and that value's first column; the
@@ -69,6 +71,8 @@ def _copy_row(src_ptr, dst_ptr, D, BLOCK_D: tl.constexpr):
 def _decode_rows_kernel(
     ids_ptr,  # [B] int64 token ids
     pos_ptr,  # [B] int64 positions
+    src_ptr,  # [B] int64 (HAS_SRC): the row of prev's ids that is this row's token, or -1 (ids' own)
+    prev_ptr,  # int64 the previous step's sampled ids (HAS_SRC)
     emb_ptr,  # [V, H] embedding table (unit column stride)
     h_ptr,  # [B, H] out: scaled embedding rows (unit column stride)
     ca_ptr, sa_ptr, ca_out, sa_out,  # table A: cos / sin [P, DA] contiguous -> [B, DA] contiguous
@@ -79,6 +83,7 @@ def _decode_rows_kernel(
     HAS_B: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SRC: tl.constexpr = 0,
     PDL: tl.constexpr = 0,
 ):  # fmt: skip
     pdl_enter(PDL)
@@ -86,6 +91,9 @@ def _decode_rows_kernel(
     j = tl.program_id(1)
     if j == 0:
         tok = tl.load(ids_ptr + b)
+        if HAS_SRC:
+            src = tl.load(src_ptr + b)
+            tok = tl.where(src >= 0, tl.load(prev_ptr + tl.maximum(src, 0)), tok)
         placeholder = (tok == image_id) | (tok == video_id) | (tok == audio_id)
         tok = tl.where(placeholder, pad_id, tok).to(tl.int64)
         src = emb_ptr + tok * stride_emb
@@ -167,6 +175,8 @@ def decode_rows(
     h_out: torch.Tensor,
     rope: list[tuple[torch.Tensor, torch.Tensor]],
     rope_out: list[tuple[torch.Tensor, torch.Tensor]],
+    row_src: torch.Tensor | None = None,
+    prev_ids: torch.Tensor | None = None,
     pdl: bool = False,
 ) -> None:
     """A decode step's model inputs in one launch.
@@ -174,10 +184,14 @@ def decode_rows(
     input_ids, positions: [B] int64 (device); emb: [V, H] embedding table; scale: the embedding multiplier (exact in
     the table's dtype); token_ids: (pad, image, video, audio) ids, the last three mapped to pad; h_out: [B, H] rows
     (unit column stride) = ``emb[id'] * scale``; rope: one or two RoPE tables (cos, sin) [P, D_t] contiguous, whose
-    rows at ``positions`` go to rope_out's [B, D_t] contiguous tensors."""
+    rows at ``positions`` go to rope_out's [B, D_t] contiguous tensors. row_src [B] int64 with prev_ids (int64):
+    row b's token is ``prev_ids[row_src[b]]`` where row_src[b] >= 0 (a decode whose last token was sampled by the
+    previous step, not yet on the host), else ``input_ids[b]``."""
     B, H = h_out.shape
     if not 1 <= len(rope) <= 2 or len(rope_out) != len(rope):
         raise ValueError(f"decode_rows takes one or two RoPE tables, got {len(rope)} and {len(rope_out)} outputs")
+    if (row_src is None) != (prev_ids is None) or (row_src is not None and row_src.shape != (B,)):
+        raise ValueError("decode_rows: row_src [B] and prev_ids go together")
     if input_ids.shape != (B,) or positions.shape != (B,) or emb.shape[1] != H or emb.stride(1) != 1:
         raise ValueError(f"decode_rows: ids {tuple(input_ids.shape)}, positions {tuple(positions.shape)}, table "
                          f"{tuple(emb.shape)} do not fit the rows {tuple(h_out.shape)}")  # fmt: skip
@@ -193,11 +207,12 @@ def decode_rows(
     (cb, sb), (cbo, sbo) = rope[-1], rope_out[-1]
     block_d = triton.next_power_of_2(max(ca.shape[1], cb.shape[1]))
     pad, image, video, audio = token_ids
+    has_src = row_src is not None
     _decode_rows_kernel[(B, 1 + len(rope))](
-        input_ids, positions, emb, h_out, ca, sa, cao, sao, cb, sb, cbo, sbo,
-        H, ca.shape[1], cb.shape[1], emb.stride(0), h_out.stride(0), float(scale), pad, image, video, audio,
-        HAS_B=len(rope) == 2, BLOCK_H=min(ROWS_BLOCK, triton.next_power_of_2(H)), BLOCK_D=block_d, num_warps=4,
-        **pdl_launch(pdl),
+        input_ids, positions, row_src if has_src else input_ids, prev_ids if has_src else input_ids, emb, h_out, ca,
+        sa, cao, sao, cb, sb, cbo, sbo, H, ca.shape[1], cb.shape[1], emb.stride(0), h_out.stride(0), float(scale),
+        pad, image, video, audio, HAS_B=len(rope) == 2, BLOCK_H=min(ROWS_BLOCK, triton.next_power_of_2(H)),
+        BLOCK_D=block_d, HAS_SRC=has_src, num_warps=4, **pdl_launch(pdl),
     )  # fmt: skip
 
 
@@ -261,8 +276,14 @@ def decode_rows_reference(
     scale: float,
     token_ids: tuple[int, int, int, int],
     rope: list[tuple[torch.Tensor, torch.Tensor]],
+    row_src: torch.Tensor | None = None,
+    prev_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The torch ops the launch replaces: (h [B, H], [(cos, sin) [B, D_t]])."""
+    """The torch ops the launch replaces (the runner's gather of sampled ids, `embed`, the RoPE lookup):
+    (h [B, H], [(cos, sin) [B, D_t]])."""
+    if row_src is not None:
+        dst = (row_src >= 0).nonzero()[:, 0]
+        input_ids = input_ids.clone().index_copy_(0, dst, prev_ids.index_select(0, row_src[dst]))
     pad, image, video, audio = token_ids
     ph = (input_ids == image) | (input_ids == video) | (input_ids == audio)
     h = torch.nn.functional.embedding(torch.where(ph, pad, input_ids), emb) * scale

@@ -12,9 +12,12 @@ eagerly before the replay and write into static buffers: the model's `embed` bui
 (an H2D copy that cannot be captured) and `_rope` checks `positions.max()` on the host. RoPE tables are sized to
 max_model_len before capture; the tables used at capture are kept alive and a changed table disables replay.
 
-With `fused_io` (toggle decode_io, perfkit/kernels/decode_io.py) the embedding rows and RoPE rows are one launch
-(`Gemma4ForCausalLM.decode_rows`, where it applies) instead of ~18 torch launches, and the graph's soft-cap also
-writes each row's argmax (`greedy`), which the engine's sampler takes instead of its own argmax.
+With `fused_io` (toggle decode_io, perfkit/kernels/decode_io.py) the graph's soft-cap also writes each row's argmax
+(`greedy`), which the engine's sampler takes instead of its own argmax; and where `Gemma4ForCausalLM.decode_rows`
+applies, a step's host inputs (token ids, positions, which rows take the previous step's sampled ids, every pool's
+slots and page table) arrive in one copy at addresses the graph captured (`inputs`, perfkit/runtime/graph_inputs.py;
+the runner's `_prepare_graph_step` fills them), and the graph's first launch makes the embedding and RoPE rows from
+them: no copy into static buffers and no launch before the replay.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from perfkit.runtime.page_table import AttentionMetadata, BatchState, HostPageTableBuilder
+from perfkit.runtime.graph_inputs import GraphStepInputs
+from perfkit.runtime.page_table import AttentionMetadata, BatchState, HostPageTableBuilder, host_pool_arrays
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +42,18 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, backend, kv_cache, block_manager, max_batch_size: int, fused_io: bool = False):
+    def __init__(
+        self,
+        model,
+        backend,
+        kv_cache,
+        block_manager,
+        max_batch_size: int,
+        fused_io: bool = False,
+        max_pages_per_row: dict[str, int] | None = None,
+    ):
+        """max_pages_per_row: the most pages one request holds per pool (the engine's bound), which sizes
+        `inputs`' page-table regions; fused_io without it keeps the per-step uploads and copies."""
         self.model = model
         self.backend = backend
         self.kv = kv_cache
@@ -65,13 +80,16 @@ class DecodeGraphs:
         self.logits_buf = torch.empty(n, cfg.vocab_size, dtype=torch.float32, device=dev)
         self.logits: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.bm = block_manager
         self._dummy_tables = HostPageTableBuilder(block_manager, dev, max_tokens=n, max_batch_size=n)
-        self.fused_rows = fused_io and model.decode_rows_apply()
         self.greedy = None  # decode_io.GreedyIds: the argmax of every captured row, written by the graph
+        self.inputs = None  # a step's host inputs in one copy, read in place by the graph (fused_io)
         if fused_io:
             from perfkit.kernels.decode_io import GreedyIds
 
             self.greedy = GreedyIds.new(n, cfg.vocab_size, dev)
+            if model.decode_rows_apply() and max_pages_per_row is not None:
+                self.inputs = GraphStepInputs(self.sizes, max_pages_per_row, dev)
 
     def size_for(self, batch: int, max_kv_end: int) -> int | None:
         """Captured size to replay for a pure-decode batch, or None (run eagerly)."""
@@ -85,6 +103,10 @@ class DecodeGraphs:
     # ---- capture ---------------------------------------------------------------------------------------------
     def _body(self, bs: int) -> torch.Tensor:
         rope = {s: (cs[0][:bs], cs[1][:bs]) for s, cs in self.cos_sin.items()}
+        if self.inputs is not None:  # the inputs' rows, in the graph: the previous step's ids are the greedy buffer
+            v = self.inputs.views[bs]
+            self.model.decode_rows(v.input_ids, v.positions, self.h[:bs], rope, row_src=v.row_src,
+                                   prev_ids=self.greedy.ids)  # fmt: skip
         h = self.model.decode_layers(self.h[:bs], rope, self.backend, None if self.ple is None else self.ple[:bs])
         return self.model.logits(h, out=self.logits_buf[:bs], greedy=None if self.greedy is None else self.greedy.head(bs))
 
@@ -98,10 +120,6 @@ class DecodeGraphs:
 
     def _prologue(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         bs = input_ids.shape[0]
-        if self.fused_rows:
-            rope_rows = {s: (c[:bs], sn[:bs]) for s, (c, sn) in self.cos_sin.items()}
-            self.model.decode_rows(input_ids, positions, self.h[:bs], rope_rows)
-            return
         h, text_ids = self.model.embed(input_ids)
         self.h[:bs].copy_(h)
         if self.ple is not None:
@@ -116,14 +134,20 @@ class DecodeGraphs:
         empty = np.zeros(0, np.int64)
         for bs in reversed(self.sizes):
             self.backend.make_graph_wrappers(bs)
-            tables = self._dummy_tables.build(BatchState([], empty, empty), pad_to=bs)
+            dummies = BatchState([], empty, empty)
+            if self.inputs is not None:
+                zeros = np.zeros(bs, np.int64)
+                tables = self.inputs.upload(bs, zeros, zeros, zeros - 1, host_pool_arrays(self.bm, dummies, bs)).pools
+            else:
+                tables = self._dummy_tables.build(dummies, pad_to=bs)
             meta = AttentionMetadata(
                 num_tokens=bs, num_decodes=bs, qo_indptr=torch.arange(bs + 1, dtype=torch.int32), pools=tables,
                 graph_batch_size=bs,
             )  # fmt: skip
-            meta = self._static_meta(meta, bs)
-            zeros = torch.zeros(bs, dtype=torch.long, device=self.h.device)
-            self._prologue(zeros, zeros)
+            if self.inputs is None:
+                meta = self._static_meta(meta, bs)
+                zeros_d = torch.zeros(bs, dtype=torch.long, device=self.h.device)
+                self._prologue(zeros_d, zeros_d)
             self.backend.set_metadata(meta)
             try:
                 stream = torch.cuda.Stream()
@@ -145,8 +169,11 @@ class DecodeGraphs:
     # ---- replay ----------------------------------------------------------------------------------------------
     def replay(self, inp) -> torch.Tensor:
         bs = inp.meta.graph_batch_size
-        self._prologue(inp.input_ids, inp.positions)
-        self.backend.set_metadata(self._static_meta(inp.meta, bs))  # plan outside the graph, every replay
+        if self.inputs is not None:  # the step's one upload is in place already (ModelRunner._prepare_graph_step)
+            self.backend.set_metadata(inp.meta)
+        else:
+            self._prologue(inp.input_ids, inp.positions)
+            self.backend.set_metadata(self._static_meta(inp.meta, bs))  # plan outside the graph, every replay
         self.graphs[bs].replay()
         return self.logits[bs]
 

@@ -325,8 +325,11 @@ class Engine:
 
             t0 = time.perf_counter()
             with self.ranges.range("graph_capture"):
+                # decode_io's one upload per step writes the host builder's tables; page_table=padded keeps its own
+                pages = ({p: self._pages_needed(spec.window, self.ec.max_model_len) for p, spec in self.kv.specs.items()}
+                         if self.ec.page_table == "host" else None)  # fmt: skip
                 self._graphs = DecodeGraphs(self.model, backend, self.kv, self.bm, self.ec.max_batch_size,
-                                            fused_io=self.ec.decode_io)  # fmt: skip
+                                            fused_io=self.ec.decode_io, max_pages_per_row=pages)  # fmt: skip
                 self._graphs.capture()
             self._graph_capture_s += time.perf_counter() - t0
         self.runner.graphs = self._graphs
@@ -347,6 +350,9 @@ class Engine:
         elif name == "page_table":
             self.ec = replace(self.ec, page_table=value)
             self.runner.page_tables = self._page_table_builder(value)
+            if self._graphs is not None and self.ec.decode_io:  # its graphs read the host builder's one upload
+                self._graphs = None
+                self._sync_graphs()
         elif name == "mask":
             self.ec = replace(self.ec, mask=value)
             self.runner.mask_impl = value

@@ -1042,17 +1042,24 @@ class Gemma4ForCausalLM(nn.Module):
         return self.own_lookups and not self.cfg.has_ple
 
     def decode_rows(
-        self, input_ids: Tensor, positions: Tensor, h_out: Tensor, rope_out: dict[bool, tuple[Tensor, Tensor]]
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        h_out: Tensor,
+        rope_out: dict[bool, tuple[Tensor, Tensor]],
+        row_src: Tensor | None = None,
+        prev_ids: Tensor | None = None,
     ) -> None:
         """A text decode step's inputs in one launch (perfkit/kernels/decode_io.py; toggle decode_io): h_out [B, H]
-        = `embed(input_ids)[0]` and rope_out {is_sliding: (cos, sin) [B, hd/2]} = the RoPE rows of `positions`, bit for
-        bit. Only where `decode_rows_apply`; the RoPE tables must cover the positions (`ensure_rope`)."""
+        = `embed(ids)[0]` and rope_out {is_sliding: (cos, sin) [B, hd/2]} = the RoPE rows of `positions`, bit for
+        bit; ids = input_ids, or prev_ids[row_src] where row_src >= 0 (the runner's gather of sampled ids). Only
+        where `decode_rows_apply`; the RoPE tables must cover the positions (`ensure_rope`)."""
         cfg = self.cfg
         w = self.embed_tokens.weight
         assert self.rope is not None
         keys = list(rope_out)
-        _kernels(False).decode_rows(  # eager, after the step's uploads (no kernel to overlap) and before a replay
+        _kernels(self.pdl).decode_rows(
             input_ids, positions, w, round_to(cfg.embed_scale, w.dtype),
             (cfg.pad_token_id, cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id), h_out,
-            [self.rope.tables[k] for k in keys], [rope_out[k] for k in keys],
+            [self.rope.tables[k] for k in keys], [rope_out[k] for k in keys], row_src=row_src, prev_ids=prev_ids,
         )  # fmt: skip

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from perfkit.runtime.kv_cache import SLIDING_POOL
-from perfkit.runtime.page_table import AttentionMetadata, BatchState, PinnedStaging
+from perfkit.runtime.page_table import AttentionMetadata, BatchState, PinnedStaging, host_pool_arrays
 from perfkit.runtime.scheduler import PLACEHOLDER, Request, SchedulerOutput
 
 
@@ -25,7 +25,8 @@ from perfkit.runtime.scheduler import PLACEHOLDER, Request, SchedulerOutput
 class StepInputs:
     input_ids: torch.Tensor  # device long [T] (T includes graph padding)
     positions: torch.Tensor  # device long [T]
-    logits_indices: torch.Tensor  # device long [S]: rows to sample, in chunk order of sampling chunks
+    logits_indices: torch.Tensor | None  # device long [S]: rows to sample, in chunk order of sampling chunks (None:
+    # a graph step prepared by `_prepare_graph_step`, whose sampled rows are its first S)
     meta: AttentionMetadata
     mm_embeds: torch.Tensor | None
     sample_reqs: list[Request]
@@ -78,6 +79,8 @@ class ModelRunner:
         graph_bs = None
         if self.graphs is not None and sched.num_decodes == b:
             graph_bs = self.graphs.size_for(b, int((starts + q_lens).max()))
+        if graph_bs is not None and self.graphs.inputs is not None:
+            return self._prepare_graph_step(sched, state, graph_bs, prev_ids)
         n_pad = 0 if graph_bs is None else graph_bs - b
         tables = self.page_tables.build(state, pad_to=graph_bs)
 
@@ -127,6 +130,35 @@ class ModelRunner:
             mm_embeds=mm_embeds,
             sample_reqs=[chunks[i].req for i in sampling],
         )
+
+    def _prepare_graph_step(
+        self, sched: SchedulerOutput, state: BatchState, bs: int, prev_ids: torch.Tensor | None
+    ) -> StepInputs:
+        """A decode-only step replayed from a graph that reads its inputs in place (`DecodeGraphs.inputs`, toggle
+        decode_io): ids, positions, the rows whose token is the previous step's sampled id (`row_src`, gathered by
+        the graph's first launch) and the host builder's tables in one upload; no launch here. The previous ids
+        are read from the graph's greedy buffer: an eager step's sampled ids are copied there first."""
+        chunks = sched.chunks
+        b = len(chunks)
+        ids = np.zeros(bs, np.int64)
+        ids[:b] = [c.req.token_ids[c.start] for c in chunks]
+        positions = np.zeros(bs, np.int64)
+        positions[:b] = state.starts
+        row_src = np.full(bs, -1, np.int64)
+        dst = np.nonzero(ids[:b] == PLACEHOLDER)[0]
+        if len(dst):
+            if prev_ids is None:
+                raise RuntimeError("a placeholder token outside the decodes of the step after its sampling step")
+            row_src[dst] = [chunks[r].req.pending_row for r in dst]
+            ids[dst] = 0
+            greedy = self.graphs.greedy.ids
+            if prev_ids.data_ptr() != greedy.data_ptr():
+                greedy[: len(prev_ids)].copy_(prev_ids)
+        v = self.graphs.inputs.upload(bs, ids, positions, row_src, host_pool_arrays(self.page_tables.bm, state, bs))
+        meta = AttentionMetadata(num_tokens=bs, num_decodes=bs, qo_indptr=torch.arange(bs + 1, dtype=torch.int32),
+                                 pools=v.pools, graph_batch_size=bs)  # fmt: skip
+        return StepInputs(input_ids=v.input_ids, positions=v.positions, logits_indices=None, meta=meta,
+                          mm_embeds=None, sample_reqs=[c.req for c in chunks if c.samples])  # fmt: skip
 
     def _custom_mask(self, sched: SchedulerOutput, tables) -> torch.Tensor | None:
         """Sliding-layer mask of the prefill chunks, only for bidirectional models with vision tokens in them."""

@@ -40,6 +40,22 @@ class PoolTable:
     kv_lens: torch.Tensor  # CPU int32 [B]: live kv length seen by attention
     slot_page: torch.Tensor  # DEVICE int64 [T]: page of each new token
     slot_offset: torch.Tensor  # DEVICE int64 [T]: offset inside that page
+    # device copies of indptr / kv_lens uploaded with the step's other inputs (decode graphs' one upload,
+    # perfkit/runtime/graph_inputs.py): the Triton decode reads them instead of uploading its own
+    indptr_dev: torch.Tensor | None = None  # DEVICE int32 [B+1]
+    kv_lens_dev: torch.Tensor | None = None  # DEVICE int32 [B]
+
+
+@dataclass
+class HostPoolArrays:
+    """One pool's page table for one step on the host (numpy), before any upload: what `PoolTable` holds."""
+
+    indptr: np.ndarray  # int64 [B+1]
+    indices: np.ndarray  # int32 [nnz]
+    last_page_len: np.ndarray  # int64 [B]
+    kv_lens: np.ndarray  # int64 [B]
+    slot_page: np.ndarray  # int64 [T]
+    slot_offset: np.ndarray  # int64 [T]
 
 
 @dataclass
@@ -164,39 +180,47 @@ class HostPageTableBuilder:
         self.slot_stage = {p: PinnedStaging(2 * max_tokens + 1, torch.int64, self.device) for p in bm.capacity}
 
     def build(self, state: BatchState, pad_to: int | None = None) -> dict[str, PoolTable]:
-        ps = self.ps
-        starts, q_lens, n_pad = _with_dummies(state, pad_to)
-        kv_ends = starts + q_lens
-        b = len(starts)
-        # token-level request index and position
-        req_of_tok = np.repeat(np.arange(b), q_lens)
-        tok_off = np.arange(len(req_of_tok)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
-        pos = starts[req_of_tok] + tok_off
         out: dict[str, PoolTable] = {}
-        for pool in self.bm.pools:
-            lists = [self.bm.page_list(r, pool) for r in state.req_ids]
-            firsts = np.fromiter((pl.first for pl in lists), np.int64, len(lists))
-            counts = np.fromiter((len(pl.pages) for pl in lists), np.int64, len(lists))
-            firsts = np.concatenate([firsts, np.zeros(n_pad, np.int64)])
-            counts = np.concatenate([counts, np.ones(n_pad, np.int64)])
-            kv_lens = kv_ends - firsts * ps
-            last = kv_lens - (counts - 1) * ps
-            indptr = np.zeros(b + 1, np.int64)
-            np.cumsum(counts, out=indptr[1:])
-            nnz = int(indptr[-1])
-            flat = np.fromiter(chain(chain.from_iterable(pl.pages for pl in lists), [DUMMY_PAGE] * n_pad),
-                               np.int32, nnz)  # fmt: skip
-            slot_page = flat[indptr[req_of_tok] + pos // ps - firsts[req_of_tok]].astype(np.int64)
-            slot_page_d, slot_offset_d = self.slot_stage[pool].upload_parts([slot_page, pos % ps])
+        for pool, a in host_pool_arrays(self.bm, state, pad_to).items():
+            slot_page_d, slot_offset_d = self.slot_stage[pool].upload_parts([a.slot_page, a.slot_offset])
             out[pool] = PoolTable(
-                indptr=torch.from_numpy(indptr.astype(np.int32)),
-                indices=self.idx_stage[pool].upload(flat),
-                last_page_len=torch.from_numpy(last.astype(np.int32)),
-                kv_lens=torch.from_numpy(kv_lens.astype(np.int32)),
+                indptr=torch.from_numpy(a.indptr.astype(np.int32)),
+                indices=self.idx_stage[pool].upload(a.indices),
+                last_page_len=torch.from_numpy(a.last_page_len.astype(np.int32)),
+                kv_lens=torch.from_numpy(a.kv_lens.astype(np.int32)),
                 slot_page=slot_page_d,
                 slot_offset=slot_offset_d,
             )
         return out
+
+
+def host_pool_arrays(bm: BlockManager, state: BatchState, pad_to: int | None = None) -> dict[str, HostPoolArrays]:
+    """Every pool's page table of a step from the block manager's page lists, with numpy on the host (`host`
+    builder; the decode graphs' one upload, perfkit/runtime/graph_inputs.py)."""
+    ps = bm.page_size
+    starts, q_lens, n_pad = _with_dummies(state, pad_to)
+    kv_ends = starts + q_lens
+    b = len(starts)
+    # token-level request index and position
+    req_of_tok = np.repeat(np.arange(b), q_lens)
+    tok_off = np.arange(len(req_of_tok)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+    pos = starts[req_of_tok] + tok_off
+    out: dict[str, HostPoolArrays] = {}
+    for pool in bm.pools:
+        lists = [bm.page_list(r, pool) for r in state.req_ids]
+        firsts = np.fromiter((pl.first for pl in lists), np.int64, len(lists))
+        counts = np.fromiter((len(pl.pages) for pl in lists), np.int64, len(lists))
+        firsts = np.concatenate([firsts, np.zeros(n_pad, np.int64)])
+        counts = np.concatenate([counts, np.ones(n_pad, np.int64)])
+        kv_lens = kv_ends - firsts * ps
+        indptr = np.zeros(b + 1, np.int64)
+        np.cumsum(counts, out=indptr[1:])
+        nnz = int(indptr[-1])
+        flat = np.fromiter(chain(chain.from_iterable(pl.pages for pl in lists), [DUMMY_PAGE] * n_pad), np.int32, nnz)
+        slot_page = flat[indptr[req_of_tok] + pos // ps - firsts[req_of_tok]].astype(np.int64)
+        out[pool] = HostPoolArrays(indptr=indptr, indices=flat, last_page_len=kv_lens - (counts - 1) * ps,
+                                   kv_lens=kv_lens, slot_page=slot_page, slot_offset=pos % ps)  # fmt: skip
+    return out
 
 
 class PaddedPageTableBuilder:

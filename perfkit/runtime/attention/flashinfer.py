@@ -194,14 +194,19 @@ class FlashInferBackend:
     # ---- per-step planning -----------------------------------------------------------------------------------
     def _triton_decode_plan(self, pool: str, pt: PoolTable, nd: int, graph: bool) -> TritonDecodePlan:
         """Upload the decode rows' indptr and kv lengths (one async copy from pinned staging; no sync) and, for a
-        graph replay, copy their page indices into the fixed buffer the captured launch reads."""
+        graph replay, copy their page indices into the fixed buffer the captured launch reads; or take the three
+        where the step's one upload put them (`PoolTable.indptr_dev`: decode graphs with perfkit/runtime/graph_inputs.py)."""
         spec = self.kv.specs[pool]
-        indptr, kv_lens = self._tri_meta[pool].upload_parts([pt.indptr[: nd + 1].numpy(), pt.kv_lens[:nd].numpy()])
-        nnz = int(pt.indptr[nd])
-        indices = pt.indices[:nnz]
-        if graph:
-            self._tri_indices[pool][:nnz].copy_(indices, non_blocking=True)
-            indices = self._tri_indices[pool]
+        if pt.indptr_dev is not None and pt.kv_lens_dev is not None:  # uploaded with the step (graph_inputs.py),
+            indptr, kv_lens, indices = pt.indptr_dev, pt.kv_lens_dev, pt.indices  # at the addresses captured
+        else:
+            indptr, kv_lens = self._tri_meta[pool].upload_parts([pt.indptr[: nd + 1].numpy(),
+                                                                 pt.kv_lens[:nd].numpy()])  # fmt: skip
+            nnz = int(pt.indptr[nd])
+            indices = pt.indices[:nnz]
+            if graph:
+                self._tri_indices[pool][:nnz].copy_(indices, non_blocking=True)
+                indices = self._tri_indices[pool]
         splits = pick_splits(nd, spec.num_kv_heads, sm_count(self.device), spec.window)
         return TritonDecodePlan(indices, indptr, kv_lens, splits, spec.window)
 
