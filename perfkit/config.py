@@ -167,12 +167,15 @@ TOGGLES: dict[str, tuple[tuple[str, ...], str, str]] = {
     "decode_io": (
         ("separate", "fused"),
         "fused",
-        "decode steps replayed from CUDA graphs: the token embedding rows (placeholders to pad, the sqrt(H) scale) and "
-        "both RoPE tables' rows written into the graph's inputs by ~18 torch launches, and the logits soft-capped by "
-        "four and their argmax taken by the sampler (separate), vs one launch before the replay and one at the "
-        "graph's end that soft-caps and writes each row's argmax (fused; perfkit/kernels/decode_io.py); the same "
-        "values bit for bit; the embedding launch only on models without per-layer inputs and not under tensor "
-        "parallelism; no effect with cuda_graphs off",
+        "decode steps replayed from CUDA graphs: the step's inputs sent by five uploads and copied into the graph's "
+        "static buffers, the previous step's sampled ids gathered by two launches, the token embedding rows "
+        "(placeholders to pad, the sqrt(H) scale) and both RoPE tables' rows written by ~18 torch launches, and the "
+        "logits soft-capped by four and their argmax taken by the sampler (separate), vs one upload to addresses the "
+        "graph captured, one launch at the graph's start for the rows and the gather, and one at its end that "
+        "soft-caps and writes each row's argmax (fused; perfkit/kernels/decode_io.py, perfkit/runtime/"
+        "graph_inputs.py); the same values bit for bit; the upload and the rows launch only with page_table=host, on "
+        "models without per-layer inputs and not under tensor parallelism; no effect with cuda_graphs off; fused by "
+        "default since 12-20 (H200: 26B-A4B c1 TPOT 2.769 -> 2.669 ms, 31B c1 16.28 -> 16.17 ms)",
     ),
     "w4a16_words": (
         ("auto", "standard", "repacked"),

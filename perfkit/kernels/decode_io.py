@@ -28,7 +28,8 @@ Two launches replace them:
 Measured (H200 12-20, ``configs/ab_decode_io.yaml``, ``docs/h200-runs/2026-12-20/2-*``, TPOT p50 separate -> fused,
 2 repeats interleaved): 26B-A4B c1 2.753 -> 2.704 ms (-1.8 %), c4 5.277 -> 5.216; 31B c1 16.26 -> 16.22, c4 17.56 ->
 17.51. In the profile (``4-p26.trace.json.xz``) the rows take 2.2 us and the soft-cap + argmax 15.5 us, ~9 us of it
-under the LM head's tail (PDL). Hence the toggle's default, fused.
+under the LM head's tail (PDL). With the inputs in one upload too (``6-*``): 26B-A4B c1 2.769 -> 2.669 ms (-3.6 %),
+31B c1 16.28 -> 16.17. Hence the toggle's default, fused.
 
 Exactness: the rows are copies and one multiply rounded once, bit for bit the torch ops. The soft-cap's tanh is
 libdevice's ``tanhf`` on the GPU (torch's CUDA ``tanh`` is the same function) and numpy's under the CPU interpreter.

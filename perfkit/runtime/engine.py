@@ -30,8 +30,9 @@ Toggles (settable on a live engine with `set_toggle`; both arms of every toggle 
   decode_merge=launch|fused (the Triton decode's merge of its split-KV slices in a launch of its own, or, where it is
   small, by the last slice of each (row, kv head) in the decode launch; the same tiles and sums: bit for bit with bf16
   caches, an ulp apart at times with fp8 ones)
-  decode_io=separate|fused (CUDA-graph decode steps: the embedding and RoPE rows in one launch before the replay, and
-  the soft-cap writing each row's argmax in one launch at the graph's end, which the sampler takes; bit for bit)
+  decode_io=separate|fused (CUDA-graph decode steps: the step's inputs in one upload read in place by the graph, the
+  embedding and RoPE rows and the previous ids' gather as its first launch, the soft-cap writing each row's argmax
+  as its last, which the sampler takes; bit for bit)
   w4a16_words=auto|standard|repacked (NVFP4 weights' words in the checkpoint's bit order or repacked, which the
   tensor-core gemv decodes with fewer instructions; auto: where the batch-1 product is faster so; bit for bit)
 Three toggles change the arithmetic's order, so their arms agree to rounding rather than bit for bit:
