@@ -326,3 +326,31 @@ def test_gpu_engine_sampled_rows_with_decode_io():
         got = e.generate_all()
         outs.append([got[r] for r in rids])
     assert outs[0] == outs[1]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_engine_large_batches_with_decode_io():
+    """Decode batches of 9-40 rows (FlashInfer's decode, whose graph wrappers plan from the one upload's page ids):
+    decode_io fused gives the separate arm's greedy tokens on a 31B 2-layer engine."""
+    pytest.importorskip("flashinfer")
+    from perfkit.kernels.pdl import pdl_available
+    from perfkit.runtime.engine import Engine, EngineConfig
+    from perfkit.runtime.model_config import get_preset
+    from perfkit.runtime.weights import build_model
+
+    cfg = get_preset("31b", num_layers=2)
+    model = build_model(cfg, "cuda", torch.bfloat16, seed=0)
+    rng = random.Random(9)
+    reqs = [[rng.randint(3, 250_000) for _ in range(rng.randint(1, 300))] for _ in range(40)]
+    outs = []
+    for fused in (False, True):
+        e = Engine(model, cfg, EngineConfig(attention="flashinfer", cuda_graphs=True, max_batch_size=48,
+                                            max_num_tokens=2048, num_kv_pages=3000, max_model_len=1024,
+                                            fused_kernels=True, pdl=pdl_available(DEV), decode_io=fused))  # fmt: skip
+        assert (e.runner.graphs.inputs is not None) == fused
+        rids = [e.add_request(p, max_new_tokens=6 + i % 7) for i, p in enumerate(reqs)]
+        got = e.generate_all()
+        e.bm.check_no_leaks()
+        outs.append([got[r] for r in rids])
+    assert outs[0] == outs[1]
