@@ -32,6 +32,19 @@ class StepInputs:
     sample_reqs: list[Request]
 
 
+def _pending_rows(
+    ids: np.ndarray, chunks: list, num_decodes: int, prev_ids: torch.Tensor | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of a step's ids still holding a PLACEHOLDER (a decode whose last token the previous step sampled and
+    the host does not have yet) and, for each, its row in `prev_ids`. Decodes come first, one token each, so row
+    r < num_decodes is chunk r's token; a placeholder anywhere else, or without prev_ids, is a bug."""
+    dst = np.nonzero(ids == PLACEHOLDER)[0]
+    src = np.fromiter((chunks[r].req.pending_row for r in dst), np.int64, len(dst))
+    if len(dst) and (prev_ids is None or dst[-1] >= num_decodes):
+        raise RuntimeError("a placeholder token outside the decodes of the step after its sampling step")
+    return dst, src
+
+
 def _build_mask(token_types: torch.Tensor, q_lens, prefix_lens, window, impl: str, device) -> torch.Tensor:
     """Packed sliding-layer mask (perfkit.kernels.gemma_mask; falls back to the reference when unavailable).
     On a CPU device the Triton impl only runs under TRITON_INTERPRET=1; otherwise the dense impl is used."""
@@ -97,11 +110,7 @@ class ModelRunner:
         t = len(ids)
         custom_mask = self._custom_mask(sched, tables)  # before the vision encode: its H2D copy waits for the GPU
         mm_embeds = self._mm_embeds(sched)
-        # decodes come first, one token each: row r < num_decodes is chunk r's token
-        dst = np.nonzero(ids == PLACEHOLDER)[0]
-        src = np.fromiter((chunks[r].req.pending_row for r in dst), np.int64, len(dst))
-        if len(dst) and (prev_ids is None or dst[-1] >= sched.num_decodes):
-            raise RuntimeError("a placeholder token outside the decodes of the step after its sampling step")
+        dst, src = _pending_rows(ids, chunks, sched.num_decodes, prev_ids)
         # rare: with soft tokens in the step the model matches its image-token ids to mm_embeds' rows, which the
         # host counted, so a decode's id (it could be the image token) must be known here: read it back (a sync)
         if len(dst) and mm_embeds is not None:
@@ -145,11 +154,9 @@ class ModelRunner:
         positions = np.zeros(bs, np.int64)
         positions[:b] = state.starts
         row_src = np.full(bs, -1, np.int64)
-        dst = np.nonzero(ids[:b] == PLACEHOLDER)[0]
+        dst, src = _pending_rows(ids[:b], chunks, b, prev_ids)
         if len(dst):
-            if prev_ids is None:
-                raise RuntimeError("a placeholder token outside the decodes of the step after its sampling step")
-            row_src[dst] = [chunks[r].req.pending_row for r in dst]
+            row_src[dst] = src
             ids[dst] = 0
             greedy = self.graphs.greedy.ids
             if prev_ids.data_ptr() != greedy.data_ptr():

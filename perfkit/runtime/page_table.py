@@ -57,6 +57,10 @@ class HostPoolArrays:
     slot_page: np.ndarray  # int64 [T]
     slot_offset: np.ndarray  # int64 [T]
 
+    def cpu_fields(self) -> dict[str, torch.Tensor]:
+        """The fields a `PoolTable` keeps on the host, as CPU int32 tensors (FlashInfer's plan reads them there)."""
+        return {n: torch.from_numpy(getattr(self, n).astype(np.int32)) for n in ("indptr", "last_page_len", "kv_lens")}
+
 
 @dataclass
 class AttentionMetadata:
@@ -184,13 +188,9 @@ class HostPageTableBuilder:
         for pool, a in host_pool_arrays(self.bm, state, pad_to).items():
             slot_page_d, slot_offset_d = self.slot_stage[pool].upload_parts([a.slot_page, a.slot_offset])
             out[pool] = PoolTable(
-                indptr=torch.from_numpy(a.indptr.astype(np.int32)),
-                indices=self.idx_stage[pool].upload(a.indices),
-                last_page_len=torch.from_numpy(a.last_page_len.astype(np.int32)),
-                kv_lens=torch.from_numpy(a.kv_lens.astype(np.int32)),
-                slot_page=slot_page_d,
+                **a.cpu_fields(), indices=self.idx_stage[pool].upload(a.indices), slot_page=slot_page_d,
                 slot_offset=slot_offset_d,
-            )
+            )  # fmt: skip
         return out
 
 
