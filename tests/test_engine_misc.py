@@ -71,3 +71,32 @@ def test_flashinfer_missing_or_no_cuda_is_a_perfkit_error():
         eng.set_toggle("page_table", "sideways")
     with pytest.raises(PerfkitError, match="max_model_len"):
         eng.add_request([5] * 200, max_new_tokens=100)
+
+
+def test_warm_up_prefills_once_per_toggle_state_and_leaves_the_engine_idle():
+    """Engine.warm_up runs the sizing warmup's prefills on the live engine when its toggle state has not run them
+    (an A/B arm's toggles launch other kernel forms), frees every page they took, leaves the engine's generation
+    unchanged, and refuses while requests are running."""
+    from perfkit.runtime.generate import greedy_generate
+
+    cfg = get_preset("tiny")
+    model = build_model(cfg, "cpu", torch.float32, seed=0)
+    ec = EngineConfig(attention="torch", num_kv_pages=64, page_size=4, max_model_len=128, max_num_tokens=48)
+    eng = Engine(model, cfg, ec)
+    free = {pool: eng.bm.num_free(pool) for pool in eng.kv.specs}
+    assert eng.warm_up() == _warmup_prefill_tokens(48)
+    assert not eng.has_unfinished() and {pool: eng.bm.num_free(pool) for pool in eng.kv.specs} == free
+    assert eng.warm_up() == []  # this state is warm
+    eng.set_toggle("mask", "triton" if ec.mask == "dense" else "dense")
+    assert eng.warm_up() == _warmup_prefill_tokens(48)
+    eng.set_toggle("mask", ec.mask)
+    assert eng.warm_up() == []
+    prompt = [2, *range(30, 45)]
+    rid = eng.add_request(prompt, max_new_tokens=6)
+    eng.set_toggle("page_table", "padded" if ec.page_table == "host" else "host")
+    with pytest.raises(PerfkitError, match="idle engine"):
+        eng.warm_up()
+    got = []
+    while eng.has_unfinished():
+        got += [t for o in eng.step() if o.request_id == rid for t in o.new_token_ids]
+    assert got == greedy_generate(model, prompt, 6)

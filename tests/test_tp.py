@@ -7,6 +7,7 @@ seeded model; head splits replicate KV heads when there are fewer than ranks; th
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import os
 import sys
 
@@ -89,6 +90,7 @@ def _worker(rank: int, world: int, port: int, out_file: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")  # fmt: skip
     torch.set_num_threads(1)
+    faulthandler.enable(all_threads=True)  # a C++ abort in a rank prints every thread's Python stack
     from perfkit.runners.tp_launch import init_tp
     from perfkit.runtime.attention.contiguous import ContiguousAttention
     from perfkit.runtime.engine import Engine, EngineConfig
@@ -169,6 +171,12 @@ def _worker(rank: int, world: int, port: int, out_file: str) -> None:
             torch.save(res, out_file)
     finally:
         ctx.shutdown()
+    # Leave without interpreter finalization: CI once saw a rank abort ("terminate called without an active
+    # exception", not reproduced here), which gloo's threads tearing down with the interpreter can do; if the abort
+    # comes from elsewhere, faulthandler prints every thread's stack.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +220,7 @@ def _worker4(rank: int, world: int, port: int, out_file: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")  # fmt: skip
     torch.set_num_threads(1)
+    faulthandler.enable(all_threads=True)  # a C++ abort in a rank prints every thread's Python stack
     from perfkit.runners.tp_launch import init_tp
     from perfkit.runtime.generate import greedy_generate
 
@@ -227,6 +236,12 @@ def _worker4(rank: int, world: int, port: int, out_file: str) -> None:
             torch.save(res, out_file)
     finally:
         ctx.shutdown()
+    # Leave without interpreter finalization: CI once saw a rank abort ("terminate called without an active
+    # exception", not reproduced here), which gloo's threads tearing down with the interpreter can do; if the abort
+    # comes from elsewhere, faulthandler prints every thread's stack.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def test_tp4_built_shards_match_tp1(tmp_path):

@@ -124,11 +124,14 @@ class ServingTarget:
         n = planned_requests(scenario)
         wl_seed = scenario.workload.seed
 
-        # warmup: same mix, other content, excluded from everything measured
+        # warmup, excluded from everything measured: the engine's prefill sizes once per toggle state (an arm's
+        # toggles launch kernel forms not compiled yet), then requests of the same mix with other content
         warm_jit = JitCompileLog(self.ranges)
-        if scenario.warmup_requests:
-            warm = iter_requests(scenario.workload, self.token_space, wl_seed + _WARMUP_SEED_OFFSET)
-            with warm_jit:
+        with warm_jit:
+            if self.device == "cuda":
+                engine.warm_up()
+            if scenario.warmup_requests:
+                warm = iter_requests(scenario.workload, self.token_space, wl_seed + _WARMUP_SEED_OFFSET)
                 drive(engine, warm, make_arrival(scenario.arrival, scenario.warmup_requests, wl_seed),
                       Limits(scenario.warmup_requests, None), materialize, **self._drive_control())
         self.ranges.reset()
