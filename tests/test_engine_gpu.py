@@ -49,8 +49,9 @@ def model_for(name: str):
 
 
 def engine(model, cfg, attention, graphs, **kw):
+    # decode_io as `perfkit run` defaults it (fused: the graphs' one upload, decode_rows and softcap_argmax)
     base = dict(attention=attention, cuda_graphs=graphs, page_size=16, max_batch_size=64, max_num_tokens=512,
-                num_kv_pages=3000, max_model_len=4096, mask="triton")  # fmt: skip
+                num_kv_pages=3000, max_model_len=4096, mask="triton", decode_io=True)  # fmt: skip
     base.update(kw)
     return Engine(model, cfg, EngineConfig(**base))
 

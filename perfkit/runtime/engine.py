@@ -271,10 +271,10 @@ class Engine:
     def warm_up(self) -> list[int]:
         """Run the KV-sizing warmup's prefills (``_warmup_prefill_tokens``) on the live engine, once per toggle
         state: a toggle switched after construction (``w4a16_words``, ``fused_kernels``, ``mask``, ...) makes prefills
-        launch kernel forms the construction-time warmup never compiled, and a scenario's few warmup requests do not
-        reach every row-count form (H200 12-19: the repacked words' 128-row dot tile compiled in a measured prefill,
-        0.88 s). Returns the prefill sizes run (none when this state is warm). Needs an idle engine: its requests
-        come and go here, nothing else is scheduled."""
+        launch kernel forms the construction-time warmup (the first arm's toggles) never compiled, and a scenario's
+        few warmup requests do not reach every row-count form (``WARMUP_ROW_TOKENS``). Returns the prefill sizes run
+        (none when this state is warm). Needs an idle engine: its requests come and go here, nothing else is
+        scheduled."""
         if self._toggle_state() in self._warm_states:
             return []
         if self.has_unfinished():
