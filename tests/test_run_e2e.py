@@ -245,3 +245,22 @@ def test_scenario_models_run_on_their_models_only(tmp_path):
     result = read_result(next((tmp_path / "r").iterdir()))
     assert [s.name for s in result.scenarios] == ["tiny/a", "tiny-moe/a", "tiny-moe/b"]
     assert all(s.status == "ok" for s in result.scenarios)
+
+
+def test_engine_warm_up_is_best_effort():
+    """The runner's per-arm Engine.warm_up (CUDA only) returns its prefill sizes; an out-of-memory prefill (an arm's
+    toggles that need more activations than the first arm left beside the KV pool) drops its requests and lets the
+    arm run, reported as "out of memory" in runtime.warmup_prefill_tokens, instead of failing it."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    def oom():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    engine = SimpleNamespace(warm_up=lambda: [64, 63], abort_all=lambda: calls.append("abort"))
+    target = serving.ServingTarget(None, None, "cpu", Path("."), None, engine, None, None,
+                                   SimpleNamespace(reset=lambda: calls.append("reset")), None, None)  # fmt: skip
+    assert target._warm_up_engine() == [64, 63] and calls == []
+    engine.warm_up = oom
+    assert target._warm_up_engine() == "out of memory" and calls == ["abort", "reset"]

@@ -2,7 +2,8 @@
 
     config -> provenance -> for each model: load once (weights, vision tower, engine + KV pool) ->
       for each scenario, for each repeat, for each arm (interleaved A B A B):
-        set the arm's toggles on the live engine -> warmup requests (excluded) -> measured requests ->
+        set the arm's toggles on the live engine -> warmup prefills of a new toggle state (GPU) and warmup
+        requests (excluded) -> measured requests ->
         metrics + capture summaries -> result appended and flushed to disk
 
 A scenario that runs out of GPU memory is recorded with status `oom` and the run continues; any other failure
