@@ -85,12 +85,26 @@ def _staggered(engine, prompts, max_new):
     return [out[rid_of[i]] for i in range(len(prompts))]
 
 
-def _worker(rank: int, world: int, port: int, out_file: str) -> None:
-    # torchrun's environment, rendezvous and gloo sockets on the loopback interface only
+def _rank_setup(rank: int, world: int, port: int) -> None:
+    """torchrun's environment for a spawned rank: rendezvous and gloo sockets on the loopback interface only; a C++
+    abort prints every thread's Python stack."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")  # fmt: skip
     torch.set_num_threads(1)
-    faulthandler.enable(all_threads=True)  # a C++ abort in a rank prints every thread's Python stack
+    faulthandler.enable(all_threads=True)
+
+
+def _rank_exit() -> None:
+    """Leave a rank that finished without interpreter finalization: CI once saw a rank abort ("terminate called
+    without an active exception", not reproduced here), which gloo's threads tearing down with the interpreter can
+    do; if an abort comes from elsewhere, faulthandler prints the stacks."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _worker(rank: int, world: int, port: int, out_file: str) -> None:
+    _rank_setup(rank, world, port)
     from perfkit.runners.tp_launch import init_tp
     from perfkit.runtime.attention.contiguous import ContiguousAttention
     from perfkit.runtime.engine import Engine, EngineConfig
@@ -171,12 +185,7 @@ def _worker(rank: int, world: int, port: int, out_file: str) -> None:
             torch.save(res, out_file)
     finally:
         ctx.shutdown()
-    # Leave without interpreter finalization: CI once saw a rank abort ("terminate called without an active
-    # exception", not reproduced here), which gloo's threads tearing down with the interpreter can do; if the abort
-    # comes from elsewhere, faulthandler prints every thread's stack.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _rank_exit()
 
 
 @pytest.fixture(scope="module")
@@ -217,10 +226,7 @@ def test_tp2_engine_matches_tp1(two_rank_results):
 
 def _worker4(rank: int, world: int, port: int, out_file: str) -> None:
     """World 4 on tiny / tiny-moe: one query head per rank, the full layers' single KV head on all 4 ranks."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")  # fmt: skip
-    torch.set_num_threads(1)
-    faulthandler.enable(all_threads=True)  # a C++ abort in a rank prints every thread's Python stack
+    _rank_setup(rank, world, port)
     from perfkit.runners.tp_launch import init_tp
     from perfkit.runtime.generate import greedy_generate
 
@@ -236,12 +242,7 @@ def _worker4(rank: int, world: int, port: int, out_file: str) -> None:
             torch.save(res, out_file)
     finally:
         ctx.shutdown()
-    # Leave without interpreter finalization: CI once saw a rank abort ("terminate called without an active
-    # exception", not reproduced here), which gloo's threads tearing down with the interpreter can do; if the abort
-    # comes from elsewhere, faulthandler prints every thread's stack.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _rank_exit()
 
 
 def test_tp4_built_shards_match_tp1(tmp_path):
