@@ -140,10 +140,7 @@ class DecodeGraphs:
                 tables = self.inputs.upload(bs, zeros, zeros, zeros - 1, host_pool_arrays(self.bm, dummies, bs)).pools
             else:
                 tables = self._dummy_tables.build(dummies, pad_to=bs)
-            meta = AttentionMetadata(
-                num_tokens=bs, num_decodes=bs, qo_indptr=torch.arange(bs + 1, dtype=torch.int32), pools=tables,
-                graph_batch_size=bs,
-            )  # fmt: skip
+            meta = AttentionMetadata.graph_decode(bs, tables)
             if self.inputs is None:
                 meta = self._static_meta(meta, bs)
                 zeros_d = torch.zeros(bs, dtype=torch.long, device=self.h.device)

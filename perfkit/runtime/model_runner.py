@@ -162,8 +162,7 @@ class ModelRunner:
             if prev_ids.data_ptr() != greedy.data_ptr():
                 greedy[: len(prev_ids)].copy_(prev_ids)
         v = self.graphs.inputs.upload(bs, ids, positions, row_src, host_pool_arrays(self.page_tables.bm, state, bs))
-        meta = AttentionMetadata(num_tokens=bs, num_decodes=bs, qo_indptr=torch.arange(bs + 1, dtype=torch.int32),
-                                 pools=v.pools, graph_batch_size=bs)  # fmt: skip
+        meta = AttentionMetadata.graph_decode(bs, v.pools)
         return StepInputs(input_ids=v.input_ids, positions=v.positions, logits_indices=None, meta=meta,
                           mm_embeds=None, sample_reqs=[c.req for c in chunks if c.samples])  # fmt: skip
 

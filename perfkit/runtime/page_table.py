@@ -78,6 +78,12 @@ class AttentionMetadata:
     custom_mask: torch.Tensor | None = None
     graph_batch_size: int | None = None  # set when the step replays a captured decode graph
 
+    @classmethod
+    def graph_decode(cls, bs: int, pools: dict[str, PoolTable]) -> AttentionMetadata:
+        """A decode-only step of `bs` rows (graph padding included) replayed from the decode graph of that size."""
+        return cls(num_tokens=bs, num_decodes=bs, qo_indptr=torch.arange(bs + 1, dtype=torch.int32), pools=pools,
+                   graph_batch_size=bs)  # fmt: skip
+
     @property
     def batch_size(self) -> int:
         return len(self.qo_indptr) - 1
